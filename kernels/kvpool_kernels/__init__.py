@@ -1,0 +1,1 @@
+"""kvpool attention and cache-copy kernels: flashinfer on CUDA, a torch reference elsewhere."""

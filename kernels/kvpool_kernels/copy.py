@@ -1,0 +1,186 @@
+"""Batched block copies between and within KV pools (offload, onboard, copy-on-partial-reuse).
+
+A pool is one layer-major tensor ``[num_layers, num_blocks, ...]``: dim 1 is the block dim, and a
+block id names the same slot in every layer. Every function here moves N blocks with a constant
+number of torch calls (one gather, one scatter), never one call per block, because one small
+page copy costs less on the wire than one call's overhead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["as_block_ids", "copy_block_prefix", "copy_block_prefixes", "copy_blocks"]
+
+BLOCK_DIM = 1
+
+
+def as_block_ids(ids: Sequence[int] | torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
+    """Validate block ids against ``num_blocks`` and return them as a CPU int64 tensor.
+
+    Raises ``ValueError`` for a wrong shape or dtype and ``IndexError`` for an id out of range,
+    naming the argument, so a bad request fails before anything is written.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"{name}: block ids must be an integer tensor, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"{name}: block ids must be 1-D, got shape {tuple(ids.shape)}")
+        out = ids.detach().to(device="cpu", dtype=torch.int64)
+    else:
+        values = list(ids)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name}: block ids must be ints, got {v!r}")
+        out = torch.tensor(values, dtype=torch.int64)
+    if out.numel():
+        lo, hi = int(out.min()), int(out.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{name}: block id {bad} out of range [0, {num_blocks})")
+    return out
+
+
+def _check_pools(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.dim() < 2 or dst.dim() < 2:
+        raise ValueError(
+            f"src/dst: pools need a layer dim and a block dim, got shapes "
+            f"{tuple(src.shape)} and {tuple(dst.shape)}"
+        )
+    if src.dtype != dst.dtype:
+        raise ValueError(f"src/dst: dtype mismatch {src.dtype} vs {dst.dtype}")
+    if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
+        raise ValueError(
+            f"src/dst: shapes must match except in dim 1 (blocks), got "
+            f"{tuple(src.shape)} and {tuple(dst.shape)}"
+        )
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """View 1-byte float storage (fp8) as uint8: copies move bytes, and not every torch
+    indexing kernel is implemented for the float8 dtypes."""
+    if t.element_size() == 1 and t.dtype.is_floating_point:
+        return t.view(torch.uint8)
+    return t
+
+
+def _index_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move an index tensor to ``device``; pinned staging keeps the H2D copy asynchronous."""
+    if device.type == "cpu":
+        return ids
+    if torch.cuda.is_available():
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
+
+
+def copy_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: Sequence[int] | torch.Tensor,
+    dst_ids: Sequence[int] | torch.Tensor,
+) -> None:
+    """Copy blocks ``src[:, src_ids]`` into ``dst[:, dst_ids]`` in one batched call.
+
+    ``src`` and ``dst`` may be the same tensor (a copy within a pool; overlapping ids read the
+    old contents because the gather completes before the scatter) or live on different devices
+    (offload CUDA -> pinned host, onboard pinned host -> CUDA; the transfer is ``non_blocking``
+    when the host side is pinned, ordered on the current CUDA stream). ``dst_ids`` must be
+    distinct. All ids are validated before anything is written.
+    """
+    _check_pools(src, dst)
+    s = as_block_ids(src_ids, src.shape[BLOCK_DIM], "src_ids")
+    d = as_block_ids(dst_ids, dst.shape[BLOCK_DIM], "dst_ids")
+    if s.numel() != d.numel():
+        raise ValueError(f"src_ids/dst_ids: length mismatch {s.numel()} vs {d.numel()}")
+    if d.numel() and torch.unique(d).numel() != d.numel():
+        raise ValueError("dst_ids: block ids must be distinct")
+    if s.numel() == 0:
+        return
+    src, dst = _raw(src), _raw(dst)
+    if src.device == dst.device:
+        gathered = src.index_select(BLOCK_DIM, _index_on(s, src.device))
+    elif src.device.type == "cpu":
+        gathered = _onboard_gather(src, s, dst.device)
+    else:
+        gathered = _offload_gather(src, _index_on(s, src.device))
+    dst.index_copy_(BLOCK_DIM, _index_on(d, dst.device), gathered)
+
+
+def _onboard_gather(src: torch.Tensor, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Gather host blocks into one staging buffer and send it to ``device`` in one transfer.
+
+    The staging buffer is pinned when CUDA is present so the transfer is asynchronous; torch's
+    pinned-memory allocator keeps it alive until the copy has finished.
+    """
+    shape = list(src.shape)
+    shape[BLOCK_DIM] = ids.numel()
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    staging = torch.empty(shape, dtype=src.dtype, pin_memory=pin)
+    torch.index_select(src, BLOCK_DIM, ids, out=staging)
+    return staging.to(device, non_blocking=pin)
+
+
+def _offload_gather(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gather device blocks and bring them to the host in one transfer.
+
+    Returns only once the data is on the host, because the scatter that follows runs on the
+    CPU and must not read a buffer the copy engine is still writing.
+    """
+    gathered = src.index_select(BLOCK_DIM, ids)
+    staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+    staging.copy_(gathered, non_blocking=True)
+    torch.cuda.current_stream(src.device).synchronize()
+    return staging
+
+
+def copy_block_prefixes(
+    pool: torch.Tensor,
+    src_ids: Sequence[int] | torch.Tensor,
+    dst_ids: Sequence[int] | torch.Tensor,
+    num_tokens: Sequence[int] | torch.Tensor,
+    *,
+    token_dim: int = 3,
+) -> None:
+    """Copy the first ``num_tokens[i]`` tokens of block ``src_ids[i]`` into ``dst_ids[i]``.
+
+    Used for copy-on-partial-reuse: a new sequence shares only part of a cached block, so the
+    matching prefix is copied into a fresh block it owns. ``token_dim`` is the pool dim that
+    indexes tokens within a block: 3 for NHD ``[L, N, 2, page, heads, dim]``, 4 for HND
+    ``[L, N, 2, heads, page, dim]``. Done as one masked gather/scatter over all pairs.
+    """
+    _check_pools(pool, pool)
+    if not 2 <= token_dim < pool.dim():
+        raise ValueError(f"token_dim: {token_dim} is not a dim of a {pool.dim()}-D pool")
+    page = pool.shape[token_dim]
+    s = as_block_ids(src_ids, pool.shape[BLOCK_DIM], "src_ids")
+    d = as_block_ids(dst_ids, pool.shape[BLOCK_DIM], "dst_ids")
+    n = as_block_ids(num_tokens, page + 1, "num_tokens")
+    if not s.numel() == d.numel() == n.numel():
+        raise ValueError(
+            f"src_ids/dst_ids/num_tokens: length mismatch {s.numel()}/{d.numel()}/{n.numel()}"
+        )
+    if d.numel() and torch.unique(d).numel() != d.numel():
+        raise ValueError("dst_ids: block ids must be distinct")
+    if s.numel() == 0:
+        return
+    pool = _raw(pool)
+    dev = pool.device
+    s_dev, d_dev, n_dev = (_index_on(t, dev) for t in (s, d, n))
+    src_blocks = pool.index_select(BLOCK_DIM, s_dev)
+    dst_blocks = pool.index_select(BLOCK_DIM, d_dev)
+    # mask[b, t] is True where token t of pair b comes from the source block.
+    mask = torch.arange(page, device=dev)[None, :] < n_dev[:, None]
+    shape = [1] * pool.dim()
+    shape[BLOCK_DIM] = mask.shape[0]
+    shape[token_dim] = page
+    merged = torch.where(mask.view(shape), src_blocks, dst_blocks)
+    pool.index_copy_(BLOCK_DIM, d_dev, merged)
+
+
+def copy_block_prefix(
+    pool: torch.Tensor, src_id: int, dst_id: int, num_tokens: int, *, token_dim: int = 3
+) -> None:
+    """Copy the first ``num_tokens`` tokens of one block into another (see the batched form)."""
+    copy_block_prefixes(pool, [src_id], [dst_id], [num_tokens], token_dim=token_dim)

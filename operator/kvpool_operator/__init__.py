@@ -1,0 +1,1 @@
+"""kvpool operator: the KVCachePool CRD and its kopf reconciler."""
