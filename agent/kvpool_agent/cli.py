@@ -13,7 +13,10 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS: dict[str, str] = {
+    "dev-cluster": "kvpool_operator.commands.devcluster",
     "size": "kvpool_agent.commands.size",
+    "crd": "kvpool_operator.commands.crd",
+    "operator": "kvpool_operator.commands.operator",
 }
 """Subcommand name -> module implementing it."""
 

@@ -27,7 +27,7 @@ KvDtype = Literal["auto", "float16", "bfloat16", "fp8", "int8"]
 ModelDtype = Literal["float16", "bfloat16", "float32"]
 
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
-"""Names accepted by ``KvCacheConfig.eviction_policy``; ``kvpool_agent.cache.eviction`` holds them."""
+"""Names ``KvCacheConfig.eviction_policy`` accepts (``kvpool_agent.cache.eviction`` has them)."""
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1, "int8": 1}
 
@@ -115,7 +115,9 @@ class KvCacheConfig(_Model):
     @classmethod
     def _power_of_two(cls, value: int) -> int:
         if value <= 1 or value & (value - 1):
-            raise ValueError(f"must be a power of two greater than 1 (2, 4, 8, 16, ...), got {value}")
+            raise ValueError(
+                f"must be a power of two greater than 1 (2, 4, 8, 16, ...), got {value}"
+            )
         return value
 
     @field_validator("max_attention_window")
@@ -140,7 +142,7 @@ class ModelGeometry(_Model):
     num_layers: int = Field(..., gt=0, description="Attention layers.")
     num_kv_heads: int | list[int] = Field(
         ...,
-        description="KV heads: one number for every layer, or one entry per layer where they differ.",
+        description="KV heads: one number for every layer, or one entry per layer.",
     )
     head_dim: int = Field(..., gt=0, description="Size of one attention head.")
     dtype: ModelDtype = Field("bfloat16", description="Model activation dtype.")
@@ -196,7 +198,7 @@ class AgentConfig(_Model):
     reserved_device_bytes: int = Field(
         0,
         ge=0,
-        description="Device memory kept back for weights and activations before the fraction applies.",
+        description="Device memory kept for weights and activations before the fraction applies.",
     )
     max_seq_len: int | None = Field(
         None, gt=0, description="Longest sequence served; bounds full-attention windows."

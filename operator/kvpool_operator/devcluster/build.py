@@ -156,11 +156,15 @@ def _staging_modules(layout: BuildLayout, env: dict[str, str], log: Log) -> list
     info = json.loads(proc.stdout or "{}")
     if proc.returncode != 0 or "GoMod" not in info:
         raise BuildError(f"go mod download {mod} failed: {info.get('Error', proc.stderr)}")
-    text = Path(info["GoMod"]).read_text()
-    return sorted(set(re.findall(r"^\s*(k8s\.io/\S+)\s+=>\s+\./staging/", text, re.M)))
+    return parse_staging_modules(Path(info["GoMod"]).read_text())
 
 
-def _ldflags(versions: Versions) -> str:
+def parse_staging_modules(go_mod: str) -> list[str]:
+    """Module paths replaced by ``./staging/...`` in k8s.io/kubernetes's go.mod, sorted."""
+    return sorted(set(re.findall(r"^\s*(k8s\.io/\S+)\s+=>\s+\./staging/", go_mod, re.M)))
+
+
+def k8s_ldflags(versions: Versions) -> str:
     major, minor = versions.kubernetes[1:].split(".")[:2]
     pkg = "k8s.io/component-base/version"
     pairs = {
@@ -189,7 +193,7 @@ def _build_kubernetes(layout: BuildLayout, env: dict[str, str], log: Log) -> Non
     pkgs = [f"k8s.io/kubernetes/cmd/{b}" for b in K8S_BINARIES]
     _run(["go", "get", *(f"{p}@{v.kubernetes}" for p in pkgs)], work, env, "resolve k8s", log)
     out = layout.bin_dir
-    cmd = ["go", "build", "-p", "2", "-trimpath", f"-ldflags={_ldflags(v)}", "-o", f"{out}/"]
+    cmd = ["go", "build", "-p", "2", "-trimpath", f"-ldflags={k8s_ldflags(v)}", "-o", f"{out}/"]
     _run([*cmd, *pkgs], work, env, "build kubernetes", log)
 
 

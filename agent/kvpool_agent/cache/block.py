@@ -1,0 +1,98 @@
+"""Block records and radix tree nodes: the engine's two kinds of bookkeeping record.
+
+A ``TreeNode`` is one reusable token block of a prefix: its tokens, its chained key and, for
+each pool group, the ``Block`` (storage slot) holding its KV in some tier, or None where a
+window group evicted it. Priority, expiry and recency live on the node, so every group's
+copy of a node ages together. A ``Block`` not attached to a node is private to the one
+sequence that writes it (its last, still filling block, or a duplicate of a node that another
+sequence stored first).
+"""
+
+from __future__ import annotations
+
+from kvpool_agent.config import DEFAULT_PRIORITY
+
+PRIMARY = 0
+SECONDARY = 1
+TIER_NAMES = ("primary", "secondary")
+
+
+class TreeNode:
+    """One full block of tokens in the radix tree."""
+
+    __slots__ = (
+        "blocks",
+        "children",
+        "depth",
+        "expires_at",
+        "hits",
+        "key",
+        "kids_in_tier",
+        "last_used",
+        "parent",
+        "priority",
+        "stored_at",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        key: int,
+        tokens: tuple[int, ...],
+        parent: TreeNode | None,
+        num_groups: int,
+    ) -> None:
+        self.key = key
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.blocks: list[Block | None] = [None] * num_groups
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.priority = DEFAULT_PRIORITY
+        self.expires_at: float | None = None
+        self.stored_at = 0.0
+        self.last_used = 0
+        self.hits = 0
+        self.kids_in_tier = [0, 0]
+        """Children whose full-attention block sits in each tier (leaf test for eviction)."""
+
+    def __repr__(self) -> str:
+        return f"TreeNode(key={self.key:#x}, depth={self.depth}, children={len(self.children)})"
+
+
+class Block:
+    """One slot of one group in one tier."""
+
+    __slots__ = ("block_id", "group", "node", "queue_level", "queue_stamp", "ref_count", "tier")
+
+    def __init__(self, group: int, tier: int, block_id: int) -> None:
+        self.group = group
+        self.tier = tier
+        self.block_id = block_id
+        self.ref_count = 0
+        self.node: TreeNode | None = None
+        self.queue_level = -1
+        self.queue_stamp = 0
+
+    # The eviction queues read these; only blocks attached to a node are ever queued.
+    @property
+    def priority(self) -> int:
+        return self.node.priority if self.node is not None else DEFAULT_PRIORITY
+
+    @property
+    def expires_at(self) -> float | None:
+        return self.node.expires_at if self.node is not None else None
+
+    @property
+    def last_used(self) -> int:
+        return self.node.last_used if self.node is not None else 0
+
+    @property
+    def hits(self) -> int:
+        return self.node.hits if self.node is not None else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Block(group={self.group}, tier={TIER_NAMES[self.tier]}, id={self.block_id}, "
+            f"refs={self.ref_count})"
+        )

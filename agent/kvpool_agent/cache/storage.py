@@ -1,0 +1,86 @@
+"""The memory behind each tier: one byte arena, seen by every pool as a paged KV tensor.
+
+A tier is one flat allocation (CUDA memory for the primary tier when present, otherwise CPU;
+pinned host memory for the secondary tier on CUDA machines). Each pool sees the whole arena
+through a strided view in the layout the kernels read (``kvpool_kernels``, flashinfer's NHD
+paged layout, layer-major):
+
+    pool view: [layers_in_pool, num_blocks, 2, tokens_per_block, kv_heads, head_dim]
+
+so ``view[layer]`` is flashinfer's ``[pages, 2, page_size, kv_heads, head_dim]`` with a page
+stride of one group block. Block ``i`` of a group occupies arena bytes
+``[i * group_block_bytes, (i + 1) * group_block_bytes)``, each pool of the group at its offset
+inside it. Because every group addresses the same arena, moving a chunk of bytes from one
+group to another needs no reallocation: rebalancing only changes which ids are handed out.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpool_kernels.copy import copy_blocks
+
+from kvpool_agent.cache.sizing import PoolPlan, PoolSpec, TierPlan
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
+
+
+class TierStorage:
+    """The arena of one tier and the per-pool views into it."""
+
+    def __init__(self, plan: PoolPlan, tier: TierPlan, device: torch.device, *, pin: bool) -> None:
+        self.plan = plan
+        self.tier = tier
+        self.device = device
+        nbytes = tier.arena_bytes
+        if device.type == "cpu":
+            self.arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin and nbytes > 0)
+        else:
+            self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.views: list[torch.Tensor] = [self._pool_view(p) for p in plan.pools]
+        """One paged tensor per pool, indexed by the pool's index."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.numel()
+
+    def _pool_view(self, pool: PoolSpec) -> torch.Tensor:
+        group = self.plan.groups[pool.group]
+        offset = group.pool_offsets[group.pools.index(pool.index)]
+        dtype = TORCH_DTYPES[pool.dtype]
+        elem = torch.empty((), dtype=dtype).element_size()
+        typed = self.arena.view(dtype)
+        num_blocks = self.nbytes // group.block_bytes if group.block_bytes else 0
+        t, h, d = pool.tokens_per_block, pool.kv_heads, pool.head_dim
+        layer_elems = 2 * t * h * d
+        return torch.as_strided(
+            typed,
+            size=(len(pool.layers), num_blocks, 2, t, h, d),
+            stride=(layer_elems, group.block_bytes // elem, t * h * d, h * d, d, 1),
+            storage_offset=offset // elem,
+        )
+
+    def num_blocks(self, group: int) -> int:
+        """Ids a group can address in this arena (owned or not)."""
+        block_bytes = self.plan.groups[group].block_bytes
+        return self.nbytes // block_bytes if block_bytes else 0
+
+
+def copy_group_blocks(
+    plan: PoolPlan,
+    group: int,
+    src: TierStorage,
+    dst: TierStorage,
+    src_ids: list[int],
+    dst_ids: list[int],
+) -> None:
+    """Copy blocks of one group between (or within) tiers: one batched call per pool."""
+    if not src_ids:
+        return
+    for pool_index in plan.groups[group].pools:
+        copy_blocks(src.views[pool_index], dst.views[pool_index], src_ids, dst_ids)

@@ -1,0 +1,1 @@
+"""``kvpool`` subcommands implemented by the operator package."""

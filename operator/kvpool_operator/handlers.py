@@ -1,0 +1,79 @@
+"""kopf wiring: register handlers that delegate to ``kvpool_operator.reconcile``.
+
+Handlers return nothing (a return value would land in ``status``); the reconcile writes
+status through its one status writer. Every annotation and the finalizer the operator
+might use carry the ``kvpool.io/`` prefix instead of kopf's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import kopf
+
+from kvpool_operator.kube import KubeApi, KubeError
+from kvpool_operator.models import GROUP, PLURAL, PREFIX, VERSION
+from kvpool_operator.reconcile import OperatorContext, pool_key, reconcile
+
+registry = kopf.OperatorRegistry()
+"""The handlers of this module only: ``kopf.run(registry=...)`` and tests use it."""
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+TIMER_INTERVAL = float(os.environ.get("KVPOOL_TIMER_INTERVAL", "10"))
+RETRY_DELAY = 10.0
+CONTEXT_KEY = "kvpool"
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """Own prefix for kopf's bookkeeping, explicit watch timeouts, events at info level."""
+    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = 20  # logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.execution.max_workers = 8
+
+
+@kopf.on.startup(registry=registry)
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    configure_settings(settings)
+    if CONTEXT_KEY not in memo:
+        memo[CONTEXT_KEY] = OperatorContext(api=KubeApi.from_environment())
+
+
+def _context(memo: kopf.Memo) -> OperatorContext:
+    ctx = memo[CONTEXT_KEY]
+    assert isinstance(ctx, OperatorContext)
+    return ctx
+
+
+def _run(memo: kopf.Memo, body: kopf.Body, *, observe_metrics: bool) -> None:
+    try:
+        reconcile(_context(memo), dict(body), observe_metrics=observe_metrics)
+    except KubeError as err:
+        raise kopf.TemporaryError(str(err), delay=RETRY_DELAY) from err
+
+
+@kopf.on.create(*RESOURCE, registry=registry)
+@kopf.on.update(*RESOURCE, registry=registry)
+@kopf.on.resume(*RESOURCE, registry=registry)
+def on_change(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
+    """Create, update and resume share one idempotent reconcile."""
+    _run(memo, body, observe_metrics=False)
+
+
+@kopf.timer(*RESOURCE, interval=TIMER_INTERVAL, initial_delay=TIMER_INTERVAL, registry=registry)
+def on_timer(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
+    """Level-triggered pass: children, status, cache figures and built-in autoscaling."""
+    _run(memo, body, observe_metrics=True)
+
+
+@kopf.on.delete(*RESOURCE, optional=True, registry=registry)
+def on_delete(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
+    """Forget the pool's in-memory state; owner references garbage-collect the children."""
+    _context(memo).forget(pool_key(dict(body)))

@@ -1,0 +1,212 @@
+"""Fast checks of the dev-cluster pieces that need no cluster: certificates, kubeconfigs,
+node manifests, build bookkeeping, pod filtering and process cleanup."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import os
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from kubernetes import client
+from kvpool_operator.devcluster import certs
+from kvpool_operator.devcluster.build import (
+    ALL_BINARIES,
+    BuildLayout,
+    Versions,
+    ensure_built,
+    k8s_ldflags,
+    parse_staging_modules,
+)
+from kvpool_operator.devcluster.cluster import (
+    GPU_RESOURCE,
+    KWOK_ANNOTATION,
+    ClusterConfig,
+    ClusterError,
+    ClusterState,
+    GpuNodeSpec,
+    process_alive,
+    stop_processes,
+)
+from kvpool_operator.devcluster.podagents import PodInfo, command_template, pod_info
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> certs.PkiPaths:
+    paths = certs.PkiPaths(tmp_path_factory.mktemp("pki"))
+    certs.generate_pki(paths, "10.96.0.1")
+    return paths
+
+
+def _cert(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def test_apiserver_cert_is_signed_by_ca_and_names_loopback_and_service(
+    pki: certs.PkiPaths,
+) -> None:
+    ca, cert = _cert(pki.ca_cert), _cert(pki.apiserver_cert)
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ips = {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    assert ips == {"127.0.0.1", "10.96.0.1"}
+    assert {"localhost", "kubernetes.default.svc"} <= set(sans.get_values_for_type(x509.DNSName))
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.SERVER_AUTH in eku
+
+
+@pytest.mark.parametrize(
+    ("who", "groups"),
+    [
+        (certs.ADMIN, ["system:masters"]),
+        (certs.SCHEDULER, []),
+        (certs.CONTROLLER_MANAGER, []),
+    ],
+)
+def test_client_certs_carry_user_and_groups(
+    pki: certs.PkiPaths, who: certs.ClientIdentity, groups: list[str]
+) -> None:
+    cert = _cert(pki.client_cert(who))
+    cert.verify_directly_issued_by(_cert(pki.ca_cert))
+    cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    orgs = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)]
+    assert cn == who.user
+    assert orgs == groups
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert stat.S_IMODE(pki.client_key(who).stat().st_mode) == 0o600
+
+
+def test_kubeconfig_loads_in_the_python_client(pki: certs.PkiPaths, tmp_path: Path) -> None:
+    from kubernetes import config
+
+    path = tmp_path / "admin.kubeconfig"
+    certs.write_kubeconfig(path, "https://127.0.0.1:6443", pki, certs.ADMIN, "dev")
+    doc = yaml.safe_load(path.read_text())
+    assert doc["current-context"] == "dev"
+    assert Path(doc["users"][0]["user"]["client-key"]).is_absolute()
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(path), client_configuration=configuration)
+    assert configuration.host == "https://127.0.0.1:6443"
+    assert configuration.ssl_ca_cert == str(pki.ca_cert)
+
+
+def test_gpu_node_manifest_has_gpu_capacity_and_kwok_annotation() -> None:
+    node = GpuNodeSpec("n0", gpus=4, labels={"pool": "a"}).manifest()
+    assert node["metadata"]["annotations"] == {KWOK_ANNOTATION: "fake"}
+    assert node["status"]["capacity"][GPU_RESOURCE] == "4"
+    assert node["status"]["allocatable"] == node["status"]["capacity"]
+    assert node["metadata"]["labels"]["pool"] == "a"
+    assert node["metadata"]["labels"]["kubernetes.io/hostname"] == "n0"
+
+
+def test_pod_cidr_is_loopback_and_validated(tmp_path: Path) -> None:
+    cidr = ipaddress.ip_network(ClusterConfig(state_dir=tmp_path).resolved_pod_cidr())
+    assert cidr.prefixlen == 16 and cidr.network_address.is_loopback
+    assert ClusterConfig(tmp_path, pod_cidr="127.9.0.0/16").resolved_pod_cidr() == "127.9.0.0/16"
+    with pytest.raises(ClusterError, match="pod_cidr"):
+        ClusterConfig(tmp_path, pod_cidr="10.0.0.0/16").resolved_pod_cidr()
+
+
+def test_staging_modules_are_parsed_from_go_mod() -> None:
+    go_mod = (
+        "module k8s.io/kubernetes\n\nrequire (\n\tk8s.io/api v0.0.0\n)\n\nreplace (\n"
+        "\tk8s.io/api => ./staging/src/k8s.io/api\n"
+        "\tk8s.io/client-go => ./staging/src/k8s.io/client-go\n"
+        "\tgithub.com/x/y => github.com/x/y v1.0.0\n)\n"
+    )
+    assert parse_staging_modules(go_mod) == ["k8s.io/api", "k8s.io/client-go"]
+
+
+def test_versions_and_ldflags() -> None:
+    versions = Versions(kubernetes="v1.36.4")
+    assert versions.staging == "v0.36.4"
+    flags = k8s_ldflags(versions)
+    assert "-X k8s.io/component-base/version.gitVersion=v1.36.4" in flags
+    assert "-X k8s.io/component-base/version.gitMinor=36" in flags
+    assert flags.startswith("-s -w")
+
+
+def test_ensure_built_is_a_noop_once_stamped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = BuildLayout(root=tmp_path)
+    assert not layout.is_built()
+    layout.bin_dir.mkdir(parents=True)
+    for name in ALL_BINARIES:
+        layout.binary(name).write_text("#!/bin/sh\n")
+        layout.binary(name).chmod(0o755)
+    assert not layout.is_built()  # no stamp yet: a half-finished build is not "built"
+    layout.stamp.write_text(json.dumps({"versions": {}}))
+    assert layout.is_built()
+    monkeypatch.setenv("PATH", "")  # would fail if it tried to run go
+    assert ensure_built(root=tmp_path).bin_dir == layout.bin_dir
+
+
+def _v1pod(
+    phase: str = "Running", ip: str | None = "127.20.0.5", deleting: bool = False
+) -> client.V1Pod:
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(
+            name="p",
+            namespace="ns",
+            uid="u-1",
+            labels={"role": "agent"},
+            deletion_timestamp=dt.datetime(2026, 1, 1, tzinfo=dt.UTC) if deleting else None,
+        ),
+        spec=client.V1PodSpec(containers=[], node_name="gpu-node-0"),
+        status=client.V1PodStatus(phase=phase, pod_ip=ip),
+    )
+
+
+def test_pod_info_only_for_running_loopback_pods() -> None:
+    info = pod_info(_v1pod())
+    assert info is not None
+    assert (info.key, info.pod_ip, info.node_name) == ("ns/p", "127.20.0.5", "gpu-node-0")
+    assert pod_info(_v1pod(phase="Pending")) is None
+    assert pod_info(_v1pod(ip=None)) is None
+    assert pod_info(_v1pod(ip="10.0.0.5")) is None
+    assert pod_info(_v1pod(deleting=True)) is None
+
+
+def test_command_template_formats_fields_and_honours_selector() -> None:
+    pod = PodInfo("ns", "p", "u-1", "127.20.0.5", "gpu-node-0", labels={"role": "agent"})
+    factory = command_template(["agent", "--host", "{pod_ip}", "--name={namespace}/{name}"])
+    assert factory(pod) == ["agent", "--host", "127.20.0.5", "--name=ns/p"]
+    only_cache = command_template(["x"], selector=lambda p: p.labels.get("role") == "cache")
+    assert only_cache(pod) is None
+
+
+def test_stop_processes_kills_group_and_skips_reused_pids(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    shutil.copy(sleep, bin_dir / "etcd")
+    proc = subprocess.Popen([str(bin_dir / "etcd"), "60"], start_new_session=True)
+    state = ClusterState(
+        name="t",
+        state_dir=str(tmp_path),
+        bin_dir=str(bin_dir),
+        server="https://127.0.0.1:1",
+        kubeconfig="",
+        pod_cidr="127.9.0.0/16",
+        ports={},
+        # This test process is not bin/kube-apiserver: it must be left alone.
+        pids={"etcd": proc.pid, "kube-apiserver": os.getpid()},
+        started_at=time.time(),
+    )
+    assert process_alive(state, "etcd")
+    assert not process_alive(state, "kube-apiserver")
+    assert stop_processes(state, grace_s=5) == ["etcd"]
+    assert proc.wait(timeout=5) is not None
+    assert not process_alive(state, "etcd")
