@@ -26,11 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from kvpool_kernels import PagedAttention, copy_blocks, new_pool
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-
-from kvpool_kernels import PagedAttention, copy_blocks, new_pool
 
 console = Console()
 
@@ -143,7 +142,6 @@ def bench_decode(
         q_dtype=q_dtype, kv_dtype=kv_dtype, device=device,
     )  # fmt: skip
     secs = timed(lambda: attn.run(q, cache, k_scale=0.5, v_scale=0.5), device, args.iters)
-    del cache
     gbps = kv_bytes / secs / 1e9
     return DecodeResult(
         dtype=str(kv_dtype).removeprefix("torch."),
@@ -299,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    console.print(f"[bold]kvpool kernels benchmark[/] on {name} ({'smoke' if args.smoke else 'full'})")
+    console.print(
+        f"[bold]kvpool kernels benchmark[/] on {name} ({'smoke' if args.smoke else 'full'})"
+    )
     copy_gbps = device_copy_gbps(device, (1 << 30) if device.type == "cuda" else 64 << 20, 10)
     console.print(f"device copy rate: {copy_gbps:.1f} GB/s (read + write)")
     decode: list[DecodeResult] = []

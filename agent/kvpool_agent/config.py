@@ -182,6 +182,70 @@ FULL_ATTENTION = 1 << 62
 """Window used for full-attention layers when no maximum sequence length is known."""
 
 
+class ServerConfig(_Model):
+    """Where the agent serves its HTTP API, metrics and probes. Restart-only."""
+
+    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (API, /metrics, probes).")
+
+
+class EventsConfig(_Model):
+    """KV events in vLLM's wire format (ZMQ PUB of msgpack batches, ROUTER replay). Restart-only.
+
+    A ``*`` host in an endpoint is replaced by the server host when the agent is started with
+    an explicit ``--host`` (several agents on one machine bind distinct loopback addresses).
+    """
+
+    endpoint: str | None = Field(
+        "tcp://*:5557", description="ZMQ PUB endpoint to bind; unset disables ZMQ publishing."
+    )
+    replay_endpoint: str | None = Field(
+        "tcp://*:5558", description="ZMQ ROUTER endpoint serving replays; unset disables it."
+    )
+    topic: str = Field("kv-events", description="Topic frame of every published message.")
+    replay_buffer: int = Field(
+        10_000, ge=1, description="Published batches kept for replay (by sequence number)."
+    )
+
+
+class RetentionDefaults(_Model):
+    """The retention policy of a request that gives none. Live."""
+
+    priority: int = Field(
+        DEFAULT_PRIORITY,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Priority of the blocks of requests without a retention policy.",
+    )
+    duration_ms: int | None = Field(
+        None, ge=0, description="How long that priority lasts; unset: until evicted."
+    )
+
+
+class LifecycleConfig(_Model):
+    """Drain on SIGTERM and warm handoff of the hottest blocks."""
+
+    grace_period_s: float = Field(
+        25.0,
+        gt=0,
+        description="Seconds from SIGTERM to exit: in-flight sequences, then the handoff. "
+        "Keep it below the pod's terminationGracePeriodSeconds. Live.",
+    )
+    handoff_peers: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of peer agents of the same pool; the first that accepts gets "
+        "the hottest blocks on drain. Live.",
+    )
+    handoff_max_blocks: int | None = Field(
+        None, gt=0, description="Cap on the blocks handed off; unset: all that fit. Live."
+    )
+    snapshot_path: str | None = Field(
+        None,
+        description="Snapshot file written on drain when no peer took the blocks, and loaded "
+        "at start when its geometry matches. Restart-only.",
+    )
+
+
 class AgentConfig(_Model):
     """The agent's config file (in a pod: the ConfigMap the operator writes)."""
 
@@ -203,6 +267,10 @@ class AgentConfig(_Model):
     max_seq_len: int | None = Field(
         None, gt=0, description="Longest sequence served; bounds full-attention windows."
     )
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    retention: RetentionDefaults = Field(default_factory=RetentionDefaults)
+    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
 
 
 def format_validation_error(err: ValidationError, source: str = "config") -> str:
@@ -247,6 +315,11 @@ LIVE_FIELDS: frozenset[str] = frozenset(
         "kv_cache_config.onboard_blocks",
         "kv_cache_config.eviction_policy",
         "kv_cache_config.event_buffer_max_size",
+        "retention.priority",
+        "retention.duration_ms",
+        "lifecycle.grace_period_s",
+        "lifecycle.handoff_peers",
+        "lifecycle.handoff_max_blocks",
     }
 )
 """Dotted field paths a running agent applies from its reloaded config file with no restart.

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["as_block_ids", "copy_block_prefix", "copy_block_prefixes", "copy_blocks"]
+__all__ = [
+    "as_block_ids",
+    "chunk_ids",
+    "copy_block_prefix",
+    "copy_block_prefixes",
+    "copy_blocks",
+]
 
 BLOCK_DIM = 1
 
@@ -85,9 +91,11 @@ def copy_blocks(
 
     ``src`` and ``dst`` may be the same tensor (a copy within a pool; overlapping ids read the
     old contents because the gather completes before the scatter) or live on different devices
-    (offload CUDA -> pinned host, onboard pinned host -> CUDA; the transfer is ``non_blocking``
-    when the host side is pinned, ordered on the current CUDA stream). ``dst_ids`` must be
-    distinct. All ids are validated before anything is written.
+    (offload CUDA -> pinned host, onboard pinned host -> CUDA). Cross-device copies move
+    ~64 MiB chunks through pinned staging, overlapping host-side gather/scatter with the DMA;
+    onboard returns with the work queued on the current CUDA stream (later kernels on that
+    stream see the blocks), offload returns once the blocks are on the host. ``dst_ids`` must
+    be distinct. All ids are validated before anything is written.
     """
     _check_pools(src, dst)
     s = as_block_ids(src_ids, src.shape[BLOCK_DIM], "src_ids")
@@ -101,38 +109,78 @@ def copy_blocks(
     src, dst = _raw(src), _raw(dst)
     if src.device == dst.device:
         gathered = src.index_select(BLOCK_DIM, _index_on(s, src.device))
+        dst.index_copy_(BLOCK_DIM, _index_on(d, dst.device), gathered)
     elif src.device.type == "cpu":
-        gathered = _onboard_gather(src, s, dst.device)
+        _onboard(src, dst, s, d)
     else:
-        gathered = _offload_gather(src, _index_on(s, src.device))
-    dst.index_copy_(BLOCK_DIM, _index_on(d, dst.device), gathered)
+        _offload(src, dst, s, d)
 
 
-def _onboard_gather(src: torch.Tensor, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Gather host blocks into one staging buffer and send it to ``device`` in one transfer.
+CHUNK_BYTES = 64 << 20
+"""Transfer size per pipeline stage: big enough to run at the link's rate, small enough that
+the host-side gather/scatter of one chunk overlaps the DMA of the next."""
 
-    The staging buffer is pinned when CUDA is present so the transfer is asynchronous; torch's
-    pinned-memory allocator keeps it alive until the copy has finished.
+
+def chunk_ids(
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    block_bytes: int,
+    chunk_bytes: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split paired id lists into runs of at most ``chunk_bytes`` (default ``CHUNK_BYTES``),
+    at least one block each."""
+    limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    per_chunk = max(1, limit // max(block_bytes, 1))
+    return list(zip(src_ids.split(per_chunk), dst_ids.split(per_chunk), strict=True))
+
+
+def _block_bytes(pool: torch.Tensor) -> int:
+    return pool[:, 0].numel() * pool.element_size()
+
+
+def _onboard(src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
+    """Host -> device: gather each chunk into pinned staging, send it, scatter on the device.
+
+    Everything after the host gather is asynchronous on the current stream, so the host
+    gathers chunk i+1 while chunk i is on the wire. torch's pinned-memory allocator does not
+    reuse a staging buffer until the copy that reads it has finished.
     """
-    shape = list(src.shape)
-    shape[BLOCK_DIM] = ids.numel()
-    pin = device.type == "cuda" and torch.cuda.is_available()
-    staging = torch.empty(shape, dtype=src.dtype, pin_memory=pin)
-    torch.index_select(src, BLOCK_DIM, ids, out=staging)
-    return staging.to(device, non_blocking=pin)
+    pin = dst.device.type == "cuda" and torch.cuda.is_available()
+    for s_chunk, d_chunk in chunk_ids(s, d, _block_bytes(src)):
+        shape = list(src.shape)
+        shape[BLOCK_DIM] = s_chunk.numel()
+        staging = torch.empty(shape, dtype=src.dtype, pin_memory=pin)
+        torch.index_select(src, BLOCK_DIM, s_chunk, out=staging)
+        on_device = staging.to(dst.device, non_blocking=pin)
+        dst.index_copy_(BLOCK_DIM, _index_on(d_chunk, dst.device), on_device)
 
 
-def _offload_gather(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Gather device blocks and bring them to the host in one transfer.
+def _offload(src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
+    """Device -> host: gather each chunk on the device, send it to pinned staging, scatter it
+    into the host pool once its copy has landed, while the next chunk is on the wire.
 
-    Returns only once the data is on the host, because the scatter that follows runs on the
-    CPU and must not read a buffer the copy engine is still writing.
+    Returns when every block is on the host: the host pool is read by the CPU right after.
     """
-    gathered = src.index_select(BLOCK_DIM, ids)
-    staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-    staging.copy_(gathered, non_blocking=True)
-    torch.cuda.current_stream(src.device).synchronize()
-    return staging
+    stream = torch.cuda.current_stream(src.device)
+    pending: tuple[torch.Tensor, torch.cuda.Event, torch.Tensor] | None = None
+    for s_chunk, d_chunk in chunk_ids(s, d, _block_bytes(src)):
+        gathered = src.index_select(BLOCK_DIM, _index_on(s_chunk, src.device))
+        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        staging.copy_(gathered, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record(stream)
+        if pending is not None:
+            _scatter_on_host(dst, *pending)
+        pending = (staging, landed, d_chunk)
+    if pending is not None:
+        _scatter_on_host(dst, *pending)
+
+
+def _scatter_on_host(
+    dst: torch.Tensor, staging: torch.Tensor, landed: torch.cuda.Event, ids: torch.Tensor
+) -> None:
+    landed.synchronize()
+    dst.index_copy_(BLOCK_DIM, ids, staging)
 
 
 def copy_block_prefixes(

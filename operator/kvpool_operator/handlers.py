@@ -41,9 +41,16 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
 
 @kopf.on.startup(registry=registry)
 def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Settings, and the API client every handler shares (kopf runs this before login)."""
     configure_settings(settings)
     if CONTEXT_KEY not in memo:
         memo[CONTEXT_KEY] = OperatorContext(api=KubeApi.from_environment())
+
+
+@kopf.on.login(registry=registry)
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf watches with the credentials our own client loaded (in-cluster or kubeconfig)."""
+    return _context(memo).api.connection_info()
 
 
 def _context(memo: kopf.Memo) -> OperatorContext:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import kopf
 from kubernetes import client, config
 
 from kvpool_operator.models import FIELD_MANAGER, GROUP, PLURAL, VERSION
@@ -71,17 +73,38 @@ class KubeApi:
     @classmethod
     def from_environment(cls) -> KubeApi:
         """In-cluster credentials when running in a pod, else the current kubeconfig."""
+        conf = client.Configuration()
         try:
-            config.load_incluster_config()
+            config.load_incluster_config(client_configuration=conf)
         except config.ConfigException:
-            config.load_kube_config()
-        return cls(client.ApiClient())
+            # Read $KUBECONFIG now, not at import time as the client's default does.
+            config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=conf
+            )
+        return cls(client.ApiClient(conf))
 
     @classmethod
     def for_host(cls, host: str) -> KubeApi:
         """An unauthenticated client for a given URL (tests against a mock server)."""
         conf = client.Configuration(host=host)
         return cls(client.ApiClient(conf))
+
+    def connection_info(self) -> kopf.ConnectionInfo:
+        """The same credentials for kopf's own watch connections (one source of truth)."""
+        conf = self.api_client.configuration
+        auth = conf.get_api_key_with_prefix("authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        return kopf.ConnectionInfo(
+            server=conf.host,
+            ca_path=conf.ssl_ca_cert,
+            insecure=not conf.verify_ssl,
+            username=conf.username or None,
+            password=conf.password or None,
+            scheme=scheme or None,
+            token=token or None,
+            certificate_path=conf.cert_file,
+            private_key_path=conf.key_file,
+        )
 
     def request(
         self,

@@ -6,7 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpool_kernels import copy as copy_module
 from kvpool_kernels import copy_block_prefix, copy_block_prefixes, copy_blocks, new_pool
+from kvpool_kernels.copy import chunk_ids
 
 
 def pool(
@@ -112,3 +114,23 @@ def test_copy_block_prefix_single_and_validation() -> None:
         copy_block_prefix(p, 3, 4, 5)
     with pytest.raises(ValueError, match="token_dim"):
         copy_block_prefix(p, 3, 4, 1, token_dim=6)
+
+
+def test_chunk_ids_bounds_each_transfer() -> None:
+    s, d = torch.arange(10), torch.arange(10, 20)
+    chunks = chunk_ids(s, d, block_bytes=100, chunk_bytes=350)
+    assert [c[0].tolist() for c in chunks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert torch.equal(torch.cat([c[1] for c in chunks]), d)
+    assert len(chunk_ids(s, d, block_bytes=1000, chunk_bytes=10)) == 10  # one block minimum
+
+
+def test_chunked_onboard_pipeline_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staged, chunked path (used between CPU and CUDA) places every block correctly."""
+    monkeypatch.setattr(copy_module, "CHUNK_BYTES", 3 * pool()[:, 0].numel() * 2)
+    src, dst = pool(8), pool(10)
+    expected = dst.clone()
+    s, d = [7, 0, 3, 3, 5, 1, 2], [9, 0, 1, 2, 8, 4, 5]
+    for a, b in zip(s, d, strict=True):
+        expected[:, b] = src[:, a]
+    copy_module._onboard(src, dst, torch.tensor(s), torch.tensor(d))
+    assert torch.equal(dst, expected)

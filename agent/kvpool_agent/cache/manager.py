@@ -296,19 +296,23 @@ class KVCacheManager:
         from_host = sum(
             1 for node in path if any(b is not None and b.tier == SECONDARY for b in node.blocks)
         )
-        self._onboard_path(path, need_from)
+        # One allocation per group for everything this request needs in the primary tier,
+        # so that what it evicts is offloaded in one batched copy.
+        fresh_ids = [self._allocate(PRIMARY, g, needed[g]) for g in range(self._num_groups)]
+        self._onboard_path(path, need_from, fresh_ids)
         for g in range(self._num_groups):
             seq.held[g] = [None] * need_from[g] + [p.blocks[g] for p in path[need_from[g] :]]
         if partial is not None:
             if take_over:
-                self._take_over(partial, seq)
+                self._take_over(partial, seq, fresh_ids)
             else:
-                self._copy_partial(partial, seq)
+                self._copy_partial(partial, seq, fresh_ids)
                 for block in partial_blocks:
                     self._unpin(block, now)
         for g in range(self._num_groups):
             missing = nblocks - len(seq.held[g])
-            seq.held[g].extend(self._new_private(g, missing))
+            seq.held[g].extend(self._new_private(g, missing, fresh_ids[g]))
+            assert not fresh_ids[g]
 
         seq.reused = d * tpb + partial_len
         seq.committed_blocks = d
@@ -548,9 +552,13 @@ class KVCacheManager:
                 )
         return None
 
-    def _new_private(self, g: int, count: int) -> list[Block | None]:
+    def _new_private(self, g: int, count: int, ids: list[int] | None = None) -> list[Block | None]:
+        """``count`` pinned private blocks, from ``ids`` (consumed) or newly allocated."""
+        if ids is None:
+            ids = self._allocate(PRIMARY, g, count)
+        taken, ids[:] = ids[:count], ids[count:]
         out: list[Block | None] = []
-        for block_id in self._allocate(PRIMARY, g, count):
+        for block_id in taken:
             block = Block(g, PRIMARY, block_id)
             block.ref_count = 1
             self._pinned[PRIMARY][g] += 1
@@ -779,7 +787,9 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- tiers
 
-    def _onboard_path(self, path: list[TreeNode], need_from: list[int]) -> None:
+    def _onboard_path(
+        self, path: list[TreeNode], need_from: list[int], fresh_ids: list[list[int]]
+    ) -> None:
         """Copy the pinned host-tier blocks of a matched path back to the primary tier."""
         now = self.clock()
         for g in range(self._num_groups):
@@ -790,7 +800,7 @@ class KVCacheManager:
             ]
             if not nodes:
                 continue
-            ids = self._allocate(PRIMARY, g, len(nodes))
+            ids, fresh_ids[g][:] = fresh_ids[g][: len(nodes)], fresh_ids[g][len(nodes) :]
             src = []
             for node in nodes:
                 block = node.blocks[g]
@@ -804,12 +814,12 @@ class KVCacheManager:
                 self._alloc[SECONDARY].release(g, host_id)
             self.stats.onboards += len(nodes)
 
-    def _copy_partial(self, partial: TreeNode, seq: _Sequence) -> None:
+    def _copy_partial(self, partial: TreeNode, seq: _Sequence, fresh_ids: list[list[int]]) -> None:
         """Copy-on-partial-reuse: a new private block starts as a copy of the matched one."""
         for g in range(self._num_groups):
             src = partial.blocks[g]
             assert src is not None
-            (block,) = self._new_private(g, 1)
+            (block,) = self._new_private(g, 1, fresh_ids[g])
             assert block is not None
             copy_group_blocks(
                 self.plan,
@@ -821,7 +831,7 @@ class KVCacheManager:
             )
             seq.held[g].append(block)
 
-    def _take_over(self, partial: TreeNode, seq: _Sequence) -> None:
+    def _take_over(self, partial: TreeNode, seq: _Sequence, fresh_ids: list[list[int]]) -> None:
         """Partial reuse without copy: the unused leaf leaves the tree and becomes ours."""
         now = self.clock()
         parent = partial.parent
@@ -830,7 +840,7 @@ class KVCacheManager:
             block = partial.blocks[g]
             assert block is not None
             if block.tier == SECONDARY:
-                (new_id,) = self._allocate(PRIMARY, g, 1)
+                new_id = fresh_ids[g].pop(0)
                 copy_group_blocks(
                     self.plan,
                     g,

@@ -1,0 +1,325 @@
+"""The kopf handlers against kmock's Kubernetes emulator (no cluster, fast).
+
+Handlers are called as kopf calls them (keyword arguments, sync, in a worker thread); the
+mock server stores what they apply, so the tests read back children, status and events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+import pytest_asyncio
+from kube_mock import ApplyingEmulator
+
+from kvpool_operator import handlers
+from kvpool_operator.kube import KubeApi
+from kvpool_operator.metrics import ScrapeTarget
+from kvpool_operator.models import CONFIG_HASH_ANNOTATION
+from kvpool_operator.reconcile import OperatorContext
+
+POOLS = "kvpool.io/v1alpha1/kvcachepools"
+STS = "apps/v1/statefulsets"
+CMS = "v1/configmaps"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest_asyncio.fixture
+async def kube() -> AsyncIterator[ApplyingEmulator]:
+    async with ApplyingEmulator() as mock, kmock.Server(mock):
+        for res in (POOLS, STS, CMS, "v1/services", "policy/v1/poddisruptionbudgets",
+                    "v1/pods", "v1/events"):
+            mock.resources[res] = {}
+        yield mock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def memo(kube: ApplyingEmulator, clock: FakeClock) -> kopf.Memo:
+    memo = kopf.Memo()
+    memo[handlers.CONTEXT_KEY] = OperatorContext(
+        api=KubeApi.for_host(str(kube.url).rstrip("/")), clock=clock
+    )
+    return memo
+
+
+async def store(kube: ApplyingEmulator, body: dict[str, Any]) -> dict[str, Any]:
+    """Put the pool in the mock API (as a user's kubectl apply would) and return it."""
+    meta = body["metadata"]
+    key = (kmock.resource(POOLS), meta["namespace"], meta["name"])
+    kube.objects[key] = copy.deepcopy(body)
+    return kube.object(POOLS, meta["namespace"], meta["name"]) or {}
+
+
+async def run(handler: Any, memo: kopf.Memo, body: dict[str, Any]) -> None:
+    await asyncio.to_thread(handler, memo=memo, body=kopf.Body(body), logger=None)
+
+
+async def pool_after(kube: ApplyingEmulator, body: dict[str, Any]) -> dict[str, Any]:
+    obj = kube.object(POOLS, body["metadata"]["namespace"], body["metadata"]["name"])
+    assert obj is not None
+    return obj
+
+
+def reasons(kube: ApplyingEmulator) -> list[str]:
+    return [e["reason"] for e in kube.events("ns1")]
+
+
+def sts_hash(kube: ApplyingEmulator) -> str:
+    sts = kube.object(STS, "ns1", "demo")
+    assert sts is not None
+    return str(sts["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION])
+
+
+@pytest.mark.asyncio
+async def test_create_applies_children_status_and_an_event(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+
+    for res, name in [(CMS, "demo-agent-config"), (STS, "demo"), ("v1/services", "demo"),
+                      ("policy/v1/poddisruptionbudgets", "demo")]:
+        child = kube.object(res, "ns1", name)
+        assert child is not None, res
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
+
+    applies = [r for r in kube.requests if r.method == "PATCH" and "fieldManager" in r.params]
+    assert applies and all(r.params["fieldManager"] == "kvpool-operator" for r in applies)
+    assert all(r.params["force"] == "true" for r in applies)
+
+    status = (await pool_after(kube, body))["status"]
+    assert status["observedGeneration"] == 1
+    assert status["selector"] == (
+        "app.kubernetes.io/instance=demo,app.kubernetes.io/name=kvpool-agent"
+    )
+    assert status["configHash"] == sts_hash(kube)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "False"  # no pods yet
+    assert conditions["Progressing"]["status"] == "True"
+    assert conditions["Degraded"]["status"] == "False"
+    assert reasons(kube) == ["Created"]
+
+
+@pytest.mark.asyncio
+async def test_resume_is_idempotent(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    body = await pool_after(kube, body)
+    before = {r: kube.object(r, "ns1", n) for r, n in [(STS, "demo"), (CMS, "demo-agent-config")]}
+    status_patches = len([r for r in kube.requests if r.url.path.endswith("/status")])
+    await run(handlers.on_change, memo, body)
+    after = {r: kube.object(r, "ns1", n) for r, n in [(STS, "demo"), (CMS, "demo-agent-config")]}
+    assert before == after
+    assert reasons(kube) == ["Created"]  # nothing new to report
+    assert len([r for r in kube.requests if r.url.path.endswith("/status")]) == status_patches
+
+
+@pytest.mark.asyncio
+async def test_live_change_only_touches_the_configmap(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    old_hash = sts_hash(kube)
+    old_cm = kube.object(CMS, "ns1", "demo-agent-config")
+
+    pool_body["spec"]["kvCacheConfig"]["enableBlockReuse"] = False
+    pool_body["metadata"]["generation"] = 2
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+
+    assert sts_hash(kube) == old_hash
+    new_cm = kube.object(CMS, "ns1", "demo-agent-config")
+    assert old_cm is not None and new_cm is not None
+    assert "enable_block_reuse: false" in new_cm["data"]["agent.yaml"]
+    assert reasons(kube) == ["Created", "ConfigReloaded"]
+    assert (await pool_after(kube, body))["status"]["observedGeneration"] == 2
+
+
+@pytest.mark.asyncio
+async def test_restart_change_rolls_the_pods(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    old_hash = sts_hash(kube)
+
+    pool_body["spec"]["kvCacheConfig"]["hostCacheSize"] = 1 << 30
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+
+    assert sts_hash(kube) != old_hash
+    event = next(e for e in kube.events("ns1") if e["reason"] == "RollingRestart")
+    assert "kv_cache_config.host_cache_size" in event["message"]
+    assert (await pool_after(kube, body))["status"]["configHash"] == sts_hash(kube)
+
+
+@pytest.mark.asyncio
+async def test_rollout_progress_and_ready(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    key = (kmock.resource(STS), "ns1", "demo")
+    kube.objects[key].patch({
+        "metadata": {"generation": 1},
+        "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2,
+                   "updatedReplicas": 1, "currentRevision": "a", "updateRevision": "b"},
+    })
+    body = await pool_after(kube, body)
+    await run(handlers.on_change, memo, body)
+    conditions = {c["type"]: c for c in (await pool_after(kube, body))["status"]["conditions"]}
+    assert conditions["Progressing"]["reason"] == "RollingUpdate"
+    assert conditions["Ready"]["status"] == "False"  # ready pods, but not the updated ones
+
+    kube.objects[key].patch({"status": {"updatedReplicas": 2, "currentRevision": "b"}})
+    body = await pool_after(kube, body)
+    await run(handlers.on_change, memo, body)
+    status = (await pool_after(kube, body))["status"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "True"
+    assert conditions["Progressing"]["status"] == "False"
+    assert status["readyReplicas"] == 2 and status["updatedReplicas"] == 2
+
+
+@pytest.mark.asyncio
+async def test_invalid_spec_is_reported_not_applied(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    pool_body["spec"]["kvCacheConfig"]["tokensPerBlock"] = 24
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+
+    assert kube.object(STS, "ns1", "demo") is None
+    (event,) = [e for e in kube.events("ns1") if e["reason"] == "InvalidSpec"]  # posted once
+    assert event["type"] == "Warning"
+    assert "spec.kvCacheConfig.tokensPerBlock" in event["message"]
+    conditions = {c["type"]: c for c in (await pool_after(kube, body))["status"]["conditions"]}
+    assert conditions["Degraded"]["status"] == "True"
+    assert conditions["Degraded"]["reason"] == "InvalidSpec"
+
+
+@pytest.mark.asyncio
+async def test_servicemonitor_without_its_crd_warns_and_skips(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    pool_body["spec"]["monitoring"] = {"serviceMonitor": True}
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    assert "ServiceMonitorUnavailable" in reasons(kube)
+    assert kube.object(STS, "ns1", "demo") is not None
+
+
+@pytest.mark.asyncio
+async def test_servicemonitor_applied_when_its_crd_exists(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    kube.resources["monitoring.coreos.com/v1/servicemonitors"] = {}
+    pool_body["spec"]["monitoring"] = {"serviceMonitor": True}
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    assert kube.object("monitoring.coreos.com/v1/servicemonitors", "ns1", "demo") is not None
+    assert "ServiceMonitorUnavailable" not in reasons(kube)
+
+
+def _metrics(queries: float, hits: float, capacity: float, used: int) -> str:
+    return (
+        f"kvpool_prefix_cache_queries_tokens_total {queries}\n"
+        f'kvpool_prefix_cache_hits_tokens_total{{tier="primary"}} {hits}\n'
+        f"kvpool_prefix_cache_capacity_misses_tokens_total {capacity}\n"
+        f'kvpool_cache_blocks_used{{pool="p0",tier="primary"}} {used}\n'
+        f'kvpool_cache_blocks_total{{pool="p0",tier="primary"}} 100\n'
+    )
+
+
+@pytest.mark.asyncio
+async def test_timer_scales_through_the_scale_subresource(
+    kube: ApplyingEmulator, memo: kopf.Memo, clock: FakeClock, pool_body: dict[str, Any]
+) -> None:
+    del pool_body["spec"]["replicas"]
+    pool_body["spec"]["autoscaling"] = {
+        "minReplicas": 1, "maxReplicas": 3, "scaleUpStabilizationSeconds": 0,
+    }
+    for i in range(2):
+        kube.objects[kmock.resource("v1/pods"), "ns1", f"demo-{i}"] = {
+            "metadata": {"name": f"demo-{i}", "namespace": "ns1",
+                         "labels": {"app.kubernetes.io/instance": "demo"}},
+            "status": {"phase": "Running", "podIP": f"127.0.0.{i + 2}"},
+        }
+    scraped: list[ScrapeTarget] = []
+    totals = {"q": 0.0, "h": 0.0, "c": 0.0}
+
+    def scraper(target: ScrapeTarget) -> str:
+        scraped.append(target)
+        return _metrics(totals["q"], totals["h"], totals["c"], used=97)
+
+    ctx = memo[handlers.CONTEXT_KEY]
+    ctx.scraper = scraper
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    await run(handlers.on_timer, memo, await pool_after(kube, body))  # first scrape: baseline
+    assert kube.object(POOLS, "ns1", "demo")["spec"].get("replicas") is None  # type: ignore[index]
+
+    totals.update(q=10_000, h=4_000, c=5_000)  # hit rate 0.4, capacity misses 83% of misses
+    clock.now += 10
+    await run(handlers.on_timer, memo, await pool_after(kube, body))
+
+    scale = [r for r in kube.requests if r.url.path.endswith("/scale")]
+    assert len(scale) == 1 and scale[0].data == {"spec": {"replicas": 2}}
+    assert kube.object(STS, "ns1", "demo")["spec"]["replicas"] == 2  # type: ignore[index]
+    assert "ScaledUp" in reasons(kube)
+    assert {t.url for t in scraped} >= {"http://127.0.0.2:8000/metrics"}
+
+    status = (await pool_after(kube, body))["status"]
+    assert status["cache"]["hitRate"] == pytest.approx(0.4)
+    assert status["cache"]["usage"] == pytest.approx(0.97)
+    assert "lastScaleTime" in status
+
+
+@pytest.mark.asyncio
+async def test_external_mode_leaves_replicas_alone(
+    kube: ApplyingEmulator, memo: kopf.Memo, clock: FakeClock, pool_body: dict[str, Any]
+) -> None:
+    pool_body["spec"]["autoscaling"] = {"mode": "external", "maxReplicas": 8}
+    memo[handlers.CONTEXT_KEY].scraper = lambda _t: _metrics(0, 0, 0, 99)
+    body = await store(kube, pool_body)
+    for _ in range(3):
+        await run(handlers.on_timer, memo, await pool_after(kube, body))
+        clock.now += 60
+    assert not [r for r in kube.requests if r.url.path.endswith("/scale")]
+    assert kube.object(STS, "ns1", "demo")["spec"]["replicas"] == 2  # type: ignore[index]
+
+
+@pytest.mark.asyncio
+async def test_apply_failure_is_retried_and_marks_degraded(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    kube["patch", kmock.resource(STS)] << kmock.KubernetesError(  # type: ignore[operator]
+        status=422, reason="Invalid", message="spec.template: boom"
+    )
+    body = await store(kube, pool_body)
+    with pytest.raises(kopf.TemporaryError):
+        await run(handlers.on_change, memo, body)
+    conditions = {c["type"]: c for c in (await pool_after(kube, body))["status"]["conditions"]}
+    assert conditions["Degraded"]["reason"] == "ApplyFailed"
+    assert "ApplyFailed" in reasons(kube)
