@@ -296,6 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        # Tiny CPU ops are fastest single-threaded; a shared machine makes thread pools spin.
+        torch.set_num_threads(1)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     console.print(
         f"[bold]kvpool kernels benchmark[/] on {name} ({'smoke' if args.smoke else 'full'})"

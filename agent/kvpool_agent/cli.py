@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "dev-cluster": "kvpool_operator.commands.devcluster",
     "size": "kvpool_agent.commands.size",
+    "agent": "kvpool_agent.commands.agent",
     "crd": "kvpool_operator.commands.crd",
     "operator": "kvpool_operator.commands.operator",
 }

@@ -267,10 +267,12 @@ class AgentConfig(_Model):
     max_seq_len: int | None = Field(
         None, gt=0, description="Longest sequence served; bounds full-attention windows."
     )
-    server: ServerConfig = Field(default_factory=ServerConfig)
-    events: EventsConfig = Field(default_factory=EventsConfig)
-    retention: RetentionDefaults = Field(default_factory=RetentionDefaults)
-    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig.model_validate({}))
+    events: EventsConfig = Field(default_factory=lambda: EventsConfig.model_validate({}))
+    retention: RetentionDefaults = Field(
+        default_factory=lambda: RetentionDefaults.model_validate({})
+    )
+    lifecycle: LifecycleConfig = Field(default_factory=lambda: LifecycleConfig.model_validate({}))
 
 
 def format_validation_error(err: ValidationError, source: str = "config") -> str:

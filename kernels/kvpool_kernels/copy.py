@@ -8,6 +8,7 @@ page copy costs less on the wire than one call's overhead.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -36,10 +37,14 @@ def as_block_ids(ids: Sequence[int] | torch.Tensor, num_blocks: int, name: str) 
             raise ValueError(f"{name}: block ids must be 1-D, got shape {tuple(ids.shape)}")
         out = ids.detach().to(device="cpu", dtype=torch.int64)
     else:
-        values = list(ids)
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name}: block ids must be ints, got {v!r}")
+        values = []
+        for v in ids:
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                values.append(operator.index(v))
+            except TypeError:
+                raise ValueError(f"{name}: block ids must be ints, got {v!r}") from None
         out = torch.tensor(values, dtype=torch.int64)
     if out.numel():
         lo, hi = int(out.min()), int(out.max())
@@ -106,6 +111,11 @@ def copy_blocks(
         raise ValueError("dst_ids: block ids must be distinct")
     if s.numel() == 0:
         return
+    if src.device != dst.device and "cpu" not in (src.device.type, dst.device.type):
+        raise ValueError(
+            f"src/dst: copies run within a device or between CPU and one device, "
+            f"got {src.device} -> {dst.device}"
+        )
     src, dst = _raw(src), _raw(dst)
     if src.device == dst.device:
         gathered = src.index_select(BLOCK_DIM, _index_on(s, src.device))

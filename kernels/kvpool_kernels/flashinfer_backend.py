@@ -49,7 +49,12 @@ def flashinfer_unsupported(params: AttentionParams, sinks: bool = False) -> str 
 
 
 class FlashinferBackend:
-    """Owns one workspace and the flashinfer wrappers planned on it, for one CUDA device."""
+    """Owns one workspace and the flashinfer wrappers planned on it, for one CUDA device.
+
+    The cache may be a strided view (the engine's pools interleave pools of a group inside
+    one arena, so the page stride exceeds one page): flashinfer reads the page, token and
+    head strides from the tensor.
+    """
 
     def __init__(self, device: torch.device) -> None:
         import flashinfer  # deferred: only CUDA machines with the gpu extra reach this
@@ -114,6 +119,10 @@ class FlashinferBackend:
         """Run the planned kernel; fp8 caches are dequantized in the kernel with the scales."""
         if self._active is None or self._plan is None:
             raise RuntimeError("flashinfer backend: run() before plan()")
+        if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
+            raise ValueError("kv_cache/q: flashinfer needs the head dim contiguous (stride 1)")
+        if kv_cache.device != self.device or q.device != self.device:
+            raise ValueError(f"q/kv_cache: must be on {self.device}, the device planned for")
         scales: dict[str, float] = {}
         if kv_cache.dtype == torch.float8_e4m3fn:
             scales = {"k_scale": float(k_scale), "v_scale": float(v_scale)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import yaml
@@ -31,6 +32,7 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 AGENT_UID = 65532
 CONTAINER_NAME = "agent"
 METRICS_PATH = "/metrics"
+TERMINATION_MARGIN_S = 5
 
 
 def config_map_name(pool: KVCachePool) -> str:
@@ -103,9 +105,42 @@ def config_hash(config: AgentConfig) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def desired_configmap(pool: KVCachePool) -> Manifest:
-    """The agent config file, mounted in every pod; agents reload its live fields."""
+def peer_urls(pool: KVCachePool, replicas: int) -> list[str]:
+    """Stable per-pod URLs of a pool (StatefulSet pod DNS names behind the headless Service)."""
+    return [
+        f"http://{pool.name}-{i}.{pool.name}.{pool.namespace}.svc:{AGENT_PORT}"
+        for i in range(replicas)
+    ]
+
+
+def pool_agent_config(pool: KVCachePool, replicas: int | None = None) -> AgentConfig:
+    """The spec's agent config, plus the pool's pods as handoff peers for warm handoff.
+
+    Peers are a live field, so scaling rewrites the ConfigMap without rolling the pods.
+    """
     config = pool.spec.agent_config()
+    if pool.spec.rollout.warm_handoff and not config.lifecycle.handoff_peers:
+        count = pool.spec.desired_replicas() if replicas is None else replicas
+        lifecycle = config.lifecycle.model_copy(update={"handoff_peers": peer_urls(pool, count)})
+        config = config.model_copy(update={"lifecycle": lifecycle})
+    return config
+
+
+def event_ports(config: AgentConfig) -> list[tuple[str, int]]:
+    """Named TCP ports of the KV event endpoints that are enabled (``tcp://*:5557``)."""
+    ports = []
+    for name, endpoint in (
+        ("kv-events", config.events.endpoint),
+        ("kv-replay", config.events.replay_endpoint),
+    ):
+        if endpoint and endpoint.rsplit(":", 1)[-1].isdigit():
+            ports.append((name, int(endpoint.rsplit(":", 1)[-1])))
+    return ports
+
+
+def desired_configmap(pool: KVCachePool, replicas: int | None = None) -> Manifest:
+    """The agent config file, mounted in every pod; agents reload its live fields."""
+    config = pool_agent_config(pool, replicas)
     text = yaml.safe_dump(agent_config_document(config), sort_keys=False)
     return {
         "apiVersion": "v1",
@@ -125,7 +160,11 @@ def desired_service(pool: KVCachePool) -> Manifest:
             "clusterIP": "None",
             "selector": selector_labels(pool),
             "ports": [
-                {"name": "http", "port": AGENT_PORT, "targetPort": "http", "protocol": "TCP"}
+                {"name": "http", "port": AGENT_PORT, "targetPort": "http", "protocol": "TCP"},
+                *(
+                    {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                    for name, port in event_ports(pool.spec.agent_config())
+                ),
             ],
         },
     }
@@ -153,10 +192,8 @@ def _env() -> list[dict[str, Any]]:
 
 def desired_pod_template(pool: KVCachePool) -> Manifest:
     pod = pool.spec.pod
-    annotations = {
-        **(pod.annotations or {}),
-        CONFIG_HASH_ANNOTATION: config_hash(pool.spec.agent_config()),
-    }
+    config = pool.spec.agent_config()
+    annotations = {**(pod.annotations or {}), CONFIG_HASH_ANNOTATION: config_hash(config)}
     resources = pod.resources.model_dump(exclude_none=True)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
@@ -164,7 +201,13 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
         "imagePullPolicy": pod.image_pull_policy,
         "command": ["kvpool"],
         "args": ["agent", "--config", CONFIG_PATH],
-        "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
+            *(
+                {"name": name, "containerPort": port, "protocol": "TCP"}
+                for name, port in event_ports(config)
+            ),
+        ],
         "env": _env(),
         "readinessProbe": _probe("/readyz", period=5, failures=3),
         "livenessProbe": {**_probe("/healthz", period=10, failures=3), "initialDelaySeconds": 10},
@@ -189,7 +232,9 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        # The agent drains and hands off within its grace period: give it that and a margin.
+        "terminationGracePeriodSeconds": math.ceil(config.lifecycle.grace_period_s)
+        + TERMINATION_MARGIN_S,
         "containers": [container],
         "volumes": [
             # A directory mount, not subPath: kubelet updates it in place, so agents see
@@ -278,7 +323,7 @@ def desired_children(
 ) -> list[Manifest]:
     """Every child in apply order: config first, so new pods mount the current config."""
     children = [
-        desired_configmap(pool),
+        desired_configmap(pool, replicas),
         desired_service(pool),
         desired_statefulset(pool, replicas),
         desired_pdb(pool),

@@ -7,6 +7,7 @@ might use carry the ``kvpool.io/`` prefix instead of kopf's defaults.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -26,13 +27,14 @@ CONTEXT_KEY = "kvpool"
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
-    """Own prefix for kopf's bookkeeping, explicit watch timeouts, events at info level."""
+    """Own prefix for kopf's bookkeeping, explicit watch timeouts; kopf itself posts only
+    warnings as Kubernetes events (the reconcile posts its own, one per action)."""
     settings.persistence.finalizer = f"{PREFIX}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=PREFIX, key="last-handled-configuration"
     )
-    settings.posting.level = 20  # logging.INFO
+    settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from kvpool_agent.config import AgentConfig, KvCacheConfig, ModelGeometry
+from kvpool_agent.config import (
+    AgentConfig,
+    EventsConfig,
+    KvCacheConfig,
+    LifecycleConfig,
+    ModelGeometry,
+    RetentionDefaults,
+)
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -106,6 +113,22 @@ class AgentSpec(_CrModel):
     max_seq_len: int | None = Field(
         default=None, gt=0, description="Longest sequence served; bounds full-attention windows."
     )
+    events: EventsConfig = Field(
+        default_factory=lambda: EventsConfig.model_validate({}),
+        description="KV events (ZMQ) the agents publish. Restart-only.",
+        json_schema_extra={"default": {}},
+    )
+    retention: RetentionDefaults = Field(
+        default_factory=lambda: RetentionDefaults.model_validate({}),
+        description="Retention of requests that give no policy. Live.",
+        json_schema_extra={"default": {}},
+    )
+    lifecycle: LifecycleConfig = Field(
+        default_factory=lambda: LifecycleConfig.model_validate({}),
+        description="Drain and warm handoff on pod termination. With rollout.warmHandoff and "
+        "no handoffPeers given, the operator lists the pool's other pods as peers.",
+        json_schema_extra={"default": {}},
+    )
 
 
 class AutoscalingSpec(_CrModel):
@@ -185,6 +208,11 @@ class RolloutSpec(_CrModel):
         default=1,
         description="Pods that may be down at once during a roll and under disruptions: a "
         "number or a percentage such as 25%.",
+    )
+    warm_handoff: bool = Field(
+        default=True,
+        description="A terminating agent hands its hottest blocks to a peer of the pool "
+        "(the operator fills agent.lifecycle.handoffPeers with the pool's pods).",
     )
     warm_handoff_seconds: int = Field(
         default=30,
@@ -297,10 +325,12 @@ class KVCachePoolSpec(_CrModel):
 
     def agent_config(self) -> AgentConfig:
         """The agent config file this spec asks for (what the ConfigMap holds)."""
-        return AgentConfig(
-            model=self.model.to_geometry(),
-            kv_cache_config=self.kv_cache_config,
-            **self.agent.model_dump(exclude_none=True),
+        return AgentConfig.model_validate(
+            {
+                "model": self.model.to_geometry(),
+                "kv_cache_config": self.kv_cache_config,
+                **{name: getattr(self.agent, name) for name in type(self.agent).model_fields},
+            }
         )
 
     def builtin_autoscaling(self) -> bool:

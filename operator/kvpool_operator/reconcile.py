@@ -151,7 +151,7 @@ def _reconcile_locked(
 
     monitor = pool.spec.monitoring.service_monitor and _service_monitor_ready(ctx, report)
     desired = children.desired_children(pool, replicas=replicas, service_monitor=monitor)
-    config = pool.spec.agent_config()
+    config = children.pool_agent_config(pool, replicas)
     new_hash = children.config_hash(config)
 
     old_sts = ctx.api.get("apps/v1", "StatefulSet", namespace, name)

@@ -14,7 +14,7 @@ from kvpool_kernels.copy import chunk_ids
 def pool(
     num_blocks: int = 8, dtype: torch.dtype = torch.float16, layout: str = "NHD"
 ) -> torch.Tensor:
-    p = new_pool(3, num_blocks, 4, 2, 8, dtype=torch.float32, layout=layout)  # type: ignore[arg-type]
+    p = new_pool(3, num_blocks, 4, 2, 8, dtype=torch.float32, layout=layout)
     return torch.randn(p.shape).to(dtype)
 
 
@@ -63,6 +63,7 @@ def test_offload_and_onboard_round_trip_on_cpu() -> None:
         ([0, 1], [2], ValueError, "length mismatch"),
         ([0, 1], [2, 2], ValueError, "distinct"),
         ([0.5], [1], ValueError, "ints"),
+        ([True], [1], ValueError, "ints"),
         (torch.tensor([[0]]), [1], ValueError, "1-D"),
         (torch.tensor([0.0]), [1], ValueError, "integer tensor"),
     ],
@@ -73,8 +74,17 @@ def test_copy_blocks_validates_before_writing(
     p = pool()
     before = p.clone()
     with pytest.raises(err, match=match):
-        copy_blocks(p, p, src_ids, dst_ids)  # type: ignore[arg-type]
+        copy_blocks(p, p, src_ids, dst_ids)
     assert torch.equal(p, before)
+
+
+def test_copy_blocks_accepts_numpy_and_tensor_ids() -> None:
+    import numpy as np
+
+    p = pool()
+    before = p.clone()
+    copy_blocks(p, p, np.array([1, 2]), torch.tensor([5, 6], dtype=torch.int32))
+    assert torch.equal(p[:, 5:7], before[:, 1:3])
 
 
 def test_copy_blocks_rejects_mismatched_pools() -> None:

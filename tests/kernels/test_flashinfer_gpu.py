@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import make_batch
+from kernel_cases import PagedBatch, make_batch
 from kvpool_kernels import (
     PagedAttention,
     PagedKvTable,
@@ -17,6 +17,7 @@ from kvpool_kernels import (
     new_pool,
     reference_attention,
 )
+from kvpool_kernels.attention import Backend
 from kvpool_kernels.flashinfer_backend import flashinfer_available
 
 needs_flashinfer = pytest.mark.skipif(not flashinfer_available(), reason="needs CUDA + flashinfer")
@@ -46,8 +47,8 @@ def test_importing_the_kernels_does_not_import_flashinfer() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _plan_and_run(backend: str, b, case: dict) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    attn = PagedAttention(backend=backend, layout=case["layout"])  # type: ignore[arg-type]
+def _plan_and_run(backend: Backend, b: PagedBatch, case: dict) -> torch.Tensor:
+    attn = PagedAttention(backend=backend, layout=case["layout"])
     t = b.table
     attn.plan(
         b.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_last_page_len,
@@ -59,7 +60,7 @@ def _plan_and_run(backend: str, b, case: dict) -> torch.Tensor:  # type: ignore[
     return attn.run(b.q, b.cache, k_scale=b.k_scale, v_scale=b.v_scale)
 
 
-def _cases() -> list:  # type: ignore[type-arg]
+def _cases() -> list:
     """A covering set rather than the full product: every JIT variant costs a compile."""
     f16, b16, fp8 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
     modes = ("decode", "prefill", "prefill-with-prefix")
@@ -133,9 +134,9 @@ def test_append_matches_flashinfer_append_exactly(layout: str, dtype: torch.dtyp
     lens = [7, 12]
     k = torch.randn(19, heads, dim, device="cuda").to(dtype)
     v = torch.randn(19, heads, dim, device="cuda").to(dtype)
-    ours = new_pool(1, 10, page, heads, dim, dtype=dtype, layout=layout, device="cuda")[0]  # type: ignore[arg-type]
+    ours = new_pool(1, 10, page, heads, dim, dtype=dtype, layout=layout, device="cuda")[0]
     theirs = ours.clone()
-    append_kv(ours, k, v, append_slots(table, lens), layout=layout)  # type: ignore[arg-type]
+    append_kv(ours, k, v, append_slots(table, lens), layout=layout)
     append_indptr = torch.tensor([0, 7, 19], dtype=torch.int32, device="cuda")
     seq_lens = flashinfer.get_seq_lens(table.kv_indptr, table.kv_last_page_len, page)
     batch_idx, pos = flashinfer.get_batch_indices_positions(append_indptr, seq_lens, 19)

@@ -72,12 +72,12 @@ def test_quantize_rejects_bad_scale(scale: float) -> None:
 def test_append_is_bit_exact_and_lands_in_its_slots(layout: str, dtype: torch.dtype) -> None:
     page, heads, dim = 4, 2, 8
     table = PagedKvTable.from_block_lists([[5, 2, 7], [0]], [10, 3], page)
-    cache = new_pool(1, 8, page, heads, dim, dtype=dtype, layout=layout)[0]  # type: ignore[arg-type]
+    cache = new_pool(1, 8, page, heads, dim, dtype=dtype, layout=layout)[0]
     k = torch.randn(13, heads, dim).to(dtype)
     v = torch.randn(13, heads, dim).to(dtype)
     slots = append_slots(table, [10, 3])
     assert slots.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 0, 1, 2]
-    append_kv(cache, k, v, slots, layout=layout)  # type: ignore[arg-type]
+    append_kv(cache, k, v, slots, layout=layout)
     nhd = cache if layout == "NHD" else cache.transpose(2, 3)
     flat_k = nhd[:, 0].reshape(-1, heads, dim)
     flat_v = nhd[:, 1].reshape(-1, heads, dim)

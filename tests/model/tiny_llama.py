@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
-from torch import nn
-
 from kvpool_agent.cache import KVCacheManager, SequenceHandle
 from kvpool_agent.config import FULL_ATTENTION
 from kvpool_kernels import PagedAttention, PagedKvTable, append_kv, append_slots, window_left_for
 from kvpool_kernels.attention import Backend
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,10 @@ class TinyLlama(nn.Module):
             self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=gen))
         self.requires_grad_(False)
 
+    def blocks(self) -> list[Layer]:
+        """The decoder layers, typed."""
+        return [cast(Layer, m) for m in self.layers]
+
     def qkv(
         self, layer: Layer, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,8 +129,8 @@ class TinyLlama(nn.Module):
         pos = torch.arange(n, device=dev)
         x = self.embed(ids)
         group = cfg.num_heads // cfg.num_kv_heads
-        for i, layer in enumerate(self.layers):
-            q, k, v = self.qkv(layer, x, pos)  # type: ignore[arg-type]
+        for i, layer in enumerate(self.blocks()):
+            q, k, v = self.qkv(layer, x, pos)
             dist = pos[:, None] - pos[None, :]
             allowed = (dist >= 0) & (dist < cfg.window(i))
             k = k.float().repeat_interleave(group, dim=1)
@@ -134,8 +138,8 @@ class TinyLlama(nn.Module):
             logits = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(cfg.head_dim)
             probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
             attn = torch.einsum("hqk,khd->qhd", probs, v).to(x.dtype)
-            x = x + layer.o_proj(attn.reshape(n, -1))  # type: ignore[operator]
-            x = x + layer.mlp(x)  # type: ignore[operator]
+            x = x + layer.o_proj(attn.reshape(n, -1))
+            x = x + layer.mlp(x)
         return self.lm_head(self.norm(x)).float()
 
 
@@ -193,7 +197,11 @@ class CachedRunner:
         lens = [len(s.tokens) for s in steps]
         ids = torch.tensor([t for s in steps for t in s.tokens], device=self.device)
         positions = torch.tensor(
-            [p for s in steps for p in range(s.handle.num_tokens - len(s.tokens), s.handle.num_tokens)],
+            [
+                p
+                for s in steps
+                for p in range(s.handle.num_tokens - len(s.tokens), s.handle.num_tokens)
+            ],
             device=self.device,
         )
         qo_indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -214,13 +222,13 @@ class CachedRunner:
                 device=self.device,
             )  # fmt: skip
         x = model.embed(ids)
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(model.blocks()):
             p = self.manager.plan.layer_pool[i]
             cache = self.manager.pool_view(p)[self.pools[p].layers.index(i)]
-            q, k, v = model.qkv(layer, x, positions)  # type: ignore[arg-type]
+            q, k, v = model.qkv(layer, x, positions)
             append_kv(cache, k, v, slots[p])
             attn = self.attn[p].run(q, cache)
-            x = x + layer.o_proj(attn.reshape(ids.numel(), -1))  # type: ignore[operator]
-            x = x + layer.mlp(x)  # type: ignore[operator]
+            x = x + layer.o_proj(attn.reshape(ids.numel(), -1))
+            x = x + layer.mlp(x)
         logits = model.lm_head(model.norm(x)).float()
         return list(logits.split(lens))

@@ -7,11 +7,11 @@ path as the timer, with replicas fed back from each decision.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
-
 from kvpool_operator.autoscaler import ScalerState, Signal, decide, signal
 from kvpool_operator.metrics import Observation, ScrapeTarget, observe, scrape_pool
 from kvpool_operator.models import AutoscalingSpec
@@ -94,7 +94,7 @@ def test_sustained_pressure_scales_up_one_step_per_window_to_max() -> None:
     assert [r for _, r in changes] == [2, 3, 4]
     times = [t for t, _ in changes]
     assert times[0] == POLICY.scale_up_stabilization_seconds + TICK  # first interval at t=10
-    assert all(b - a >= POLICY.scale_up_stabilization_seconds for a, b in zip(times, times[1:]))
+    assert all(b - a >= POLICY.scale_up_stabilization_seconds for a, b in itertools.pairwise(times))
 
 
 def test_idle_pool_scales_down_only_after_the_down_window() -> None:
@@ -119,11 +119,9 @@ def test_steady_state_holds() -> None:
 
 
 def test_alternating_signals_do_not_flap() -> None:
-    """Pressure and idleness alternating every 20 s: at most the one step up, never down."""
+    """Pressure and idleness alternating every 20 s: neither signal holds long enough."""
     series = ([HOT, HOT, IDLE, IDLE] * 25)[:100]
-    changes = replay(record(series), replicas=2)
-    assert all(r >= 2 for _, r in changes)
-    assert len(changes) <= 1
+    assert replay(record(series), replicas=2) == []
 
 
 def test_burst_then_idle_steps_up_then_waits_before_stepping_down() -> None:

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from kvpool_agent.config import LIVE_FIELDS, load_agent_config
 from kvpool_operator import children
 from kvpool_operator.models import CONFIG_HASH_ANNOTATION, KVCachePool
@@ -25,13 +24,21 @@ def test_every_child_is_owned_by_the_pool(pool_body: dict[str, Any]) -> None:
     pool = _pool(pool_body)
     kids = children.desired_children(pool, service_monitor=True)
     assert [k["kind"] for k in kids] == [
-        "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget", "ServiceMonitor",
+        "ConfigMap",
+        "Service",
+        "StatefulSet",
+        "PodDisruptionBudget",
+        "ServiceMonitor",
     ]
     for kid in kids:
         (owner,) = kid["metadata"]["ownerReferences"]
         assert owner == {
-            "apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool", "name": "demo",
-            "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True,
+            "apiVersion": "kvpool.io/v1alpha1",
+            "kind": "KVCachePool",
+            "name": "demo",
+            "uid": "uid-1234",
+            "controller": True,
+            "blockOwnerDeletion": True,
         }
         assert kid["metadata"]["namespace"] == "ns1"
         assert kid["metadata"]["labels"]["kvpool.io/pool"] == "demo"
@@ -53,7 +60,10 @@ def test_statefulset_runs_agents_on_gpus_as_non_root(pool_body: dict[str, Any]) 
     assert agent["image"] == "registry.local/kvpool:test"
     assert agent["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     assert agent["command"] + agent["args"] == [
-        "kvpool", "agent", "--config", "/etc/kvpool/agent.yaml",
+        "kvpool",
+        "agent",
+        "--config",
+        "/etc/kvpool/agent.yaml",
     ]
     assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert agent["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -127,3 +137,32 @@ def test_autoscaled_pool_starts_at_its_floor(pool_body: dict[str, Any]) -> None:
 def test_manifests_serialize_to_yaml(pool_body: dict[str, Any]) -> None:
     for kid in children.desired_children(_pool(pool_body)):
         assert yaml.safe_load(yaml.safe_dump(kid)) == kid
+
+
+def test_warm_handoff_lists_the_pools_pods_as_peers(pool_body: dict[str, Any]) -> None:
+    pool = _pool(pool_body)
+    peers = children.pool_agent_config(pool, replicas=3).lifecycle.handoff_peers
+    assert peers == [f"http://demo-{i}.demo.ns1.svc:8000" for i in range(3)]
+    # Peers follow the replica count, but they are live: the pods do not roll on a scale.
+    two = children.desired_configmap(pool, replicas=2)
+    three = children.desired_configmap(pool, replicas=3)
+    assert two["data"] != three["data"]
+    pool_body["spec"]["rollout"] = {"warmHandoff": False}
+    assert children.pool_agent_config(_pool(pool_body), 3).lifecycle.handoff_peers == []
+
+
+def test_given_peers_are_kept(pool_body: dict[str, Any]) -> None:
+    pool_body["spec"]["agent"] = {"lifecycle": {"handoffPeers": ["http://elsewhere:8000"]}}
+    config = children.pool_agent_config(_pool(pool_body), 3)
+    assert config.lifecycle.handoff_peers == ["http://elsewhere:8000"]
+
+
+def test_grace_period_and_event_ports_reach_the_pod(pool_body: dict[str, Any]) -> None:
+    pool_body["spec"]["agent"] = {"lifecycle": {"gracePeriodS": 40.5}}
+    pool = _pool(pool_body)
+    pod = children.desired_statefulset(pool)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 46
+    ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+    assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+    svc_ports = {p["name"] for p in children.desired_service(pool)["spec"]["ports"]}
+    assert svc_ports == {"http", "kv-events", "kv-replay"}

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import yaml
-from pydantic import BaseModel
-
+from kvp_cases import REPO, example_documents
 from kvpool_operator.crd import crd_manifest, crd_yaml
 from kvpool_operator.models import KVCachePool
 from kvpool_operator.schema import SchemaError, at_path, check_structural, structural_schema
-
-from kvp_cases import REPO, example_documents
+from pydantic import BaseModel
 
 CRD_FILE = REPO / "crds" / "kvcachepools.yaml"
 
@@ -48,15 +44,19 @@ def test_cli_check_flags_a_stale_file(tmp_path) -> None:
     assert command.run(Namespace(output=target, check=True)) == 1
 
 
-def test_kvpool_crd_prints_the_crd() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", "from kvpool_operator.commands import crd; import argparse;"
-         "crd.run(argparse.Namespace(output=None, check=False))"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    assert yaml.safe_load_all(out) is not None
-    docs = [d for d in yaml.safe_load_all(out) if d]
-    assert docs[0]["metadata"]["name"] == "kvcachepools.kvpool.io"
+def test_kvpool_crd_prints_the_crd(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_agent.cli import main
+
+    assert main(["crd"]) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert docs == [crd_manifest()]
+
+
+def test_kvpool_operator_flags() -> None:
+    from kvpool_agent.cli import build_parser
+
+    args = build_parser().parse_args(["operator", "-n", "a", "-n", "b", "--standalone"])
+    assert args.namespace == ["a", "b"] and args.standalone is True
 
 
 def test_names_scope_and_short_name() -> None:
@@ -72,9 +72,7 @@ def test_schema_is_structural_and_described() -> None:
     root = _version()["schema"]["openAPIV3Schema"]
     assert check_structural(root) == []
     spec = root["properties"]["spec"]
-    missing = [
-        key for key, sub in spec["properties"].items() if not sub.get("description")
-    ]
+    missing = [key for key, sub in spec["properties"].items() if not sub.get("description")]
     assert missing == []
     assert "tokens" in at_path(spec, ("kvCacheConfig", "tokensPerBlock"))["description"].lower()
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import kmock
 import kopf
 import pytest
 import pytest_asyncio
 from kube_mock import ApplyingEmulator
-
 from kvpool_operator import handlers
 from kvpool_operator.kube import KubeApi
 from kvpool_operator.metrics import ScrapeTarget
@@ -39,8 +38,15 @@ class FakeClock:
 @pytest_asyncio.fixture
 async def kube() -> AsyncIterator[ApplyingEmulator]:
     async with ApplyingEmulator() as mock, kmock.Server(mock):
-        for res in (POOLS, STS, CMS, "v1/services", "policy/v1/poddisruptionbudgets",
-                    "v1/pods", "v1/events"):
+        for res in (
+            POOLS,
+            STS,
+            CMS,
+            "v1/services",
+            "policy/v1/poddisruptionbudgets",
+            "v1/pods",
+            "v1/events",
+        ):
             mock.resources[res] = {}
         yield mock
 
@@ -68,7 +74,7 @@ async def store(kube: ApplyingEmulator, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run(handler: Any, memo: kopf.Memo, body: dict[str, Any]) -> None:
-    await asyncio.to_thread(handler, memo=memo, body=kopf.Body(body), logger=None)
+    await asyncio.to_thread(handler, memo=memo, body=kopf.Body(cast(Any, body)), logger=None)
 
 
 async def pool_after(kube: ApplyingEmulator, body: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +100,12 @@ async def test_create_applies_children_status_and_an_event(
     body = await store(kube, pool_body)
     await run(handlers.on_change, memo, body)
 
-    for res, name in [(CMS, "demo-agent-config"), (STS, "demo"), ("v1/services", "demo"),
-                      ("policy/v1/poddisruptionbudgets", "demo")]:
+    for res, name in [
+        (CMS, "demo-agent-config"),
+        (STS, "demo"),
+        ("v1/services", "demo"),
+        ("policy/v1/poddisruptionbudgets", "demo"),
+    ]:
         child = kube.object(res, "ns1", name)
         assert child is not None, res
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
@@ -180,11 +190,19 @@ async def test_rollout_progress_and_ready(
     body = await store(kube, pool_body)
     await run(handlers.on_change, memo, body)
     key = (kmock.resource(STS), "ns1", "demo")
-    kube.objects[key].patch({
-        "metadata": {"generation": 1},
-        "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2,
-                   "updatedReplicas": 1, "currentRevision": "a", "updateRevision": "b"},
-    })
+    kube.objects[key].patch(
+        {
+            "metadata": {"generation": 1},
+            "status": {
+                "observedGeneration": 1,
+                "replicas": 2,
+                "readyReplicas": 2,
+                "updatedReplicas": 1,
+                "currentRevision": "a",
+                "updateRevision": "b",
+            },
+        }
+    )
     body = await pool_after(kube, body)
     await run(handlers.on_change, memo, body)
     conditions = {c["type"]: c for c in (await pool_after(kube, body))["status"]["conditions"]}
@@ -258,12 +276,17 @@ async def test_timer_scales_through_the_scale_subresource(
 ) -> None:
     del pool_body["spec"]["replicas"]
     pool_body["spec"]["autoscaling"] = {
-        "minReplicas": 1, "maxReplicas": 3, "scaleUpStabilizationSeconds": 0,
+        "minReplicas": 1,
+        "maxReplicas": 3,
+        "scaleUpStabilizationSeconds": 0,
     }
     for i in range(2):
         kube.objects[kmock.resource("v1/pods"), "ns1", f"demo-{i}"] = {
-            "metadata": {"name": f"demo-{i}", "namespace": "ns1",
-                         "labels": {"app.kubernetes.io/instance": "demo"}},
+            "metadata": {
+                "name": f"demo-{i}",
+                "namespace": "ns1",
+                "labels": {"app.kubernetes.io/instance": "demo"},
+            },
             "status": {"phase": "Running", "podIP": f"127.0.0.{i + 2}"},
         }
     scraped: list[ScrapeTarget] = []
@@ -278,7 +301,7 @@ async def test_timer_scales_through_the_scale_subresource(
     body = await store(kube, pool_body)
     await run(handlers.on_change, memo, body)
     await run(handlers.on_timer, memo, await pool_after(kube, body))  # first scrape: baseline
-    assert kube.object(POOLS, "ns1", "demo")["spec"].get("replicas") is None  # type: ignore[index]
+    assert kube.object(POOLS, "ns1", "demo")["spec"].get("replicas") is None
 
     totals.update(q=10_000, h=4_000, c=5_000)  # hit rate 0.4, capacity misses 83% of misses
     clock.now += 10
@@ -286,7 +309,7 @@ async def test_timer_scales_through_the_scale_subresource(
 
     scale = [r for r in kube.requests if r.url.path.endswith("/scale")]
     assert len(scale) == 1 and scale[0].data == {"spec": {"replicas": 2}}
-    assert kube.object(STS, "ns1", "demo")["spec"]["replicas"] == 2  # type: ignore[index]
+    assert kube.object(STS, "ns1", "demo")["spec"]["replicas"] == 2
     assert "ScaledUp" in reasons(kube)
     assert {t.url for t in scraped} >= {"http://127.0.0.2:8000/metrics"}
 
@@ -307,14 +330,14 @@ async def test_external_mode_leaves_replicas_alone(
         await run(handlers.on_timer, memo, await pool_after(kube, body))
         clock.now += 60
     assert not [r for r in kube.requests if r.url.path.endswith("/scale")]
-    assert kube.object(STS, "ns1", "demo")["spec"]["replicas"] == 2  # type: ignore[index]
+    assert kube.object(STS, "ns1", "demo")["spec"]["replicas"] == 2
 
 
 @pytest.mark.asyncio
 async def test_apply_failure_is_retried_and_marks_degraded(
     kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
 ) -> None:
-    kube["patch", kmock.resource(STS)] << kmock.KubernetesError(  # type: ignore[operator]
+    kube["patch", kmock.resource(STS)] << kmock.KubernetesError(
         status=422, reason="Invalid", message="spec.template: boom"
     )
     body = await store(kube, pool_body)

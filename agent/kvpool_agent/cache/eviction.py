@@ -14,6 +14,7 @@ beyond a heap entry.
 from __future__ import annotations
 
 import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
@@ -70,26 +71,27 @@ class LRUQueue(LevelQueue):
     entry (older stamp) is skipped on pop and the heap is rebuilt when half of it is stale.
     """
 
-    __slots__ = ("_heap", "_live")
+    __slots__ = ("_heap", "_live", "_order")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Evictable]] = []
+        self._heap: list[tuple[int, int, int, Evictable]] = []
         self._live = 0
+        self._order = itertools.count()  # tie-break: never compare blocks
 
     def push(self, block: Evictable) -> None:
-        heapq.heappush(self._heap, (block.last_used, block.queue_stamp, block))
+        heapq.heappush(self._heap, (block.last_used, next(self._order), block.queue_stamp, block))
         self._live += 1
 
     def discard(self, block: Evictable) -> None:
         self._live -= 1
         if len(self._heap) > 64 and len(self._heap) > 2 * self._live:
-            self._heap = [e for e in self._heap if e[2].queue_stamp == e[1] and e[2] is not block]
+            self._heap = [e for e in self._heap if e[3].queue_stamp == e[2] and e[3] is not block]
             heapq.heapify(self._heap)
 
     def pop(self) -> Evictable | None:
         heap = self._heap
         while heap:
-            _, stamp, block = heapq.heappop(heap)
+            _, _, stamp, block = heapq.heappop(heap)
             if block.queue_stamp == stamp and block.queue_level >= 0:
                 self._live -= 1
                 return block
@@ -113,14 +115,15 @@ class EvictionQueue:
     level, recorded in ``block.queue_level``; ``queue_stamp`` invalidates old heap entries.
     """
 
-    __slots__ = ("_expiry", "_factory", "_levels", "_nonempty", "_size")
+    __slots__ = ("_expiry", "_factory", "_levels", "_nonempty", "_order", "_size")
 
     def __init__(self, factory: LevelQueueFactory = LRUQueue) -> None:
         self._factory = factory
         self._levels: list[LevelQueue | None] = [None] * (MAX_PRIORITY + 1)
         self._nonempty = 0  # bit p set while level p may hold blocks
         self._size = 0
-        self._expiry: list[tuple[float, int, Evictable]] = []
+        self._expiry: list[tuple[float, int, int, Evictable]] = []
+        self._order = itertools.count()
 
     def __len__(self) -> int:
         return self._size
@@ -143,7 +146,7 @@ class EvictionQueue:
         self._size += 1
         expires = block.expires_at
         if expires is not None and level != DEFAULT_PRIORITY and expires > now:
-            heapq.heappush(self._expiry, (expires, block.queue_stamp, block))
+            heapq.heappush(self._expiry, (expires, next(self._order), block.queue_stamp, block))
 
     def discard(self, block: Evictable) -> None:
         """Stop ``block`` being evictable (no-op when it is not queued)."""
@@ -184,7 +187,7 @@ class EvictionQueue:
     def _expire(self, now: float) -> None:
         heap = self._expiry
         while heap and heap[0][0] <= now:
-            _, stamp, block = heapq.heappop(heap)
+            _, _, stamp, block = heapq.heappop(heap)
             if block.queue_stamp == stamp and block.queue_level >= 0:
                 self.discard(block)
                 self.push(block, now)

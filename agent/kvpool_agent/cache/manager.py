@@ -258,6 +258,7 @@ class KVCacheManager:
         limit = n - 1 if recompute_last_token else n
         path, partial, partial_len = self._match(namespace, toks, limit)
         d = len(path)
+        ghost_blocks = self._ghost_hits(namespace, toks, path)
         need_from = [self._need_from(g, d * tpb) for g in range(self._num_groups)]
 
         # Pin what is reused, so that making room below cannot evict it.
@@ -319,7 +320,7 @@ class KVCacheManager:
         seq.slide_from = seq.reused
         self._touch(path)
         self._sequences[seq.seq_id] = seq
-        self._count_query(namespace, toks, path, from_host, partial_len)
+        self._count_query(toks, path, from_host, partial_len, ghost_blocks)
         return self._handle(seq)
 
     def append_tokens(self, seq_id: int, tokens: Sequence[int]) -> SequenceHandle:
@@ -344,16 +345,24 @@ class KVCacheManager:
                     f"tokens: the sequence would need more than the pool's "
                     f"{self._max_blocks[g]} blocks"
                 )
+        fresh: list[list[int]] = []
         if extra > 0:
             short = self._shortfall([extra] * self._num_groups)
             if short is not None:
                 raise OutOfBlocksError(short)
+            try:
+                for g in range(self._num_groups):
+                    fresh.append(self._allocate(PRIMARY, g, extra))
+            except OutOfBlocksError:
+                for g, ids in enumerate(fresh):
+                    for block_id in ids:
+                        self._alloc[PRIMARY].release(g, block_id)
+                raise
         self._commit(seq)
         seq.tokens.extend(toks)
         self._slide(seq, old)
-        if extra > 0:
-            for g in range(self._num_groups):
-                seq.held[g].extend(self._new_private(g, extra))
+        for g, ids in enumerate(fresh):
+            seq.held[g].extend(self._new_private(g, extra, ids))
         return self._handle(seq)
 
     def commit(self, seq_id: int) -> None:
@@ -378,7 +387,7 @@ class KVCacheManager:
 
     def sequence(self, seq_id: int) -> SequenceHandle:
         """The current handle of an open sequence."""
-        return self._handle(self._get(seq_id), 0)
+        return self._handle(self._get(seq_id))
 
     def apply_live_config(self, new: KvCacheConfig) -> list[str]:
         """Apply the fields of ``new`` that can change at run time; returns those that changed.
@@ -616,7 +625,7 @@ class KVCacheManager:
         queue = self._queues[tier][g]
         now = self.clock()
         freed: list[int] = []
-        moves: list[tuple[Block, int]] = []
+        moves: list[tuple[int, Block]] = []  # (primary id, its new host block)
         threshold = self.config.secondary_offload_min_priority
         has_host = tier == PRIMARY and self._alloc[SECONDARY].capacity[g] > 0
         while len(freed) < count:
@@ -637,20 +646,27 @@ class KVCacheManager:
                     continue
             freed.append(victim.block_id)
             if host_id is not None:
-                moves.append((victim, host_id))
-                self._move_tier(node, g, Block(g, SECONDARY, host_id), now)
+                # Not evictable from the host tier until its data is there (after the batch).
+                moved = Block(g, SECONDARY, host_id)
+                moves.append((victim.block_id, moved))
+                self._move_tier(node, g, moved, now, enqueue=False)
             else:
                 self._drop_group_block(node, g, "evicted")
+        # A pending move whose node was pruned meanwhile gave its host slot back: skip it.
+        moves = [(src, b) for src, b in moves if b.node is not None]
         if moves:
             copy_group_blocks(
                 self.plan,
                 g,
                 self.storage[PRIMARY],
                 self.storage[SECONDARY],
-                [b.block_id for b, _ in moves],
-                [h for _, h in moves],
+                [src for src, _ in moves],
+                [b.block_id for _, b in moves],
             )
             self.stats.offloads += len(moves)
+            for _, moved in moves:
+                if self._evictable(moved) and moved not in self._queues[SECONDARY][g]:
+                    self._queues[SECONDARY][g].push(moved, now)
         return freed
 
     def _take_host_slot(self, g: int) -> int | None:
@@ -663,7 +679,9 @@ class KVCacheManager:
             block_id = victims[0] if victims else alloc.allocate(g)
         return block_id
 
-    def _move_tier(self, node: TreeNode, g: int, new: Block, now: float) -> None:
+    def _move_tier(
+        self, node: TreeNode, g: int, new: Block, now: float, *, enqueue: bool = True
+    ) -> None:
         """Point ``node``'s group-``g`` block at ``new`` (another tier), keeping the pins."""
         old = node.blocks[g]
         assert old is not None
@@ -679,7 +697,7 @@ class KVCacheManager:
             node.parent.kids_in_tier[old.tier] -= 1
             node.parent.kids_in_tier[new.tier] += 1
             self._recheck(node.parent, now)
-        if new.ref_count == 0 and self._evictable(new):
+        if enqueue and new.ref_count == 0 and self._evictable(new):
             self._queues[new.tier][g].push(new, now)
         if g == self._full or self._full is None:
             self.events.push(BlockUpdated(node.key, TIER_NAMES[new.tier], node.priority))
@@ -886,7 +904,7 @@ class KVCacheManager:
             if node is None:
                 node = self._store(parent, tokens, seq, j, now)
             else:
-                self._attach_missing(node, seq, j, now)
+                self._join_existing(node, seq, j, now)
             seq.nodes.append(node)
             parent = node
         seq.committed_blocks = full
@@ -925,15 +943,28 @@ class KVCacheManager:
         )
         return node
 
-    def _attach_missing(self, node: TreeNode, seq: _Sequence, j: int, now: float) -> None:
-        """Another sequence stored this block first: fill the groups it lost, keep ours private
-        otherwise (it is freed when we release it)."""
+    def _join_existing(self, node: TreeNode, seq: _Sequence, j: int, now: float) -> None:
+        """Another sequence stored this block first. Keep one copy in the tree and make sure
+        ``seq`` pins it (a sequence always pins its whole path): take the node over with our
+        copy where theirs is unused or missing, else share theirs and give ours back."""
         for g in range(self._num_groups):
-            block = seq.held[g][j]
-            if block is None or node.blocks[g] is not None:
+            mine = seq.held[g][j]
+            theirs = node.blocks[g]
+            if mine is None or theirs is mine:
                 continue
-            block.node = node
-            node.blocks[g] = block
+            if theirs is not None and theirs.ref_count:
+                self._pin(theirs)
+                seq.held[g][j] = theirs
+                self._unpin(mine, now)  # private: its id goes back to the free list
+                continue
+            if theirs is not None:
+                self._queues[theirs.tier][g].discard(theirs)
+                self._alloc[theirs.tier].release(g, theirs.block_id)
+                theirs.node = None
+                if g == self._full and node.parent is not None:
+                    node.parent.kids_in_tier[theirs.tier] -= 1
+            mine.node = node
+            node.blocks[g] = mine
             if g == self._full and node.parent is not None:
                 node.parent.kids_in_tier[PRIMARY] += 1
                 self._recheck(node.parent, now)
@@ -990,16 +1021,29 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- bookkeeping
 
+    def _ghost_hits(self, namespace: int, toks: list[int], path: list[TreeNode]) -> int:
+        """Missed blocks right after the match whose keys the ghost list remembers: a bigger
+        cache would still have held them (capacity misses, not compulsory ones)."""
+        if not len(self.ghost) or not self.config.enable_block_reuse:
+            return 0
+        tpb = self.tpb
+        key = path[-1].key if path else namespace
+        j = len(path)
+        while (j + 1) * tpb <= len(toks):
+            key = hash((key, tuple(toks[j * tpb : (j + 1) * tpb])))
+            if key not in self.ghost:
+                break
+            j += 1
+        return j - len(path)
+
     def _count_query(
         self,
-        namespace: int,
         toks: list[int],
         path: list[TreeNode],
         from_host: int,
         partial_len: int,
+        ghost_blocks: int,
     ) -> None:
-        """Hits by tier, and capacity misses: the missed blocks right after the match whose
-        keys the ghost list remembers (a bigger cache would still have held them)."""
         stats = self.stats
         tpb = self.tpb
         stats.sequences_opened += 1
@@ -1010,19 +1054,10 @@ class KVCacheManager:
         stats.hits_tokens[SECONDARY] += from_host * tpb
         stats.hits_tokens[PRIMARY] += (len(path) - from_host) * tpb + partial_len
         stats.partial_hit_tokens += partial_len
+        stats.capacity_miss_blocks += ghost_blocks
+        stats.capacity_miss_tokens += ghost_blocks * tpb
         for node in path:
             node.hits += 1
-        if not len(self.ghost) or not self.config.enable_block_reuse:
-            return
-        key = path[-1].key if path else namespace
-        j = len(path)
-        while (j + 1) * tpb <= len(toks):
-            key = hash((key, tuple(toks[j * tpb : (j + 1) * tpb])))
-            if key not in self.ghost:
-                break
-            stats.capacity_miss_blocks += 1
-            stats.capacity_miss_tokens += tpb
-            j += 1
 
     def _handle(self, seq: _Sequence) -> SequenceHandle:
         tables = []

@@ -10,9 +10,9 @@ What consumers (llm-d's KV indexer, Dynamo's KV router, AIBrix's gateway) decode
   ``medium`` is ``"GPU"`` or ``"CPU"`` (where the copy lives). ``reason`` (``evicted``,
   ``replaced``, ``cleared``, ``pruned``) is a kvpool extension in the trailing position, which
   array-like decoders that do not know it ignore.
-* ROUTER replay socket: a client sends ``start_seq`` (8 bytes, big-endian; a REQ socket adds
-  the empty delimiter) and gets one ``[seq, payload]`` message per buffered batch from that
-  number on, then ``[-1 (8 bytes, signed), b""]``.
+* ROUTER replay socket: a DEALER client sends ``[b"", start_seq (8 bytes, big-endian)]`` and
+  gets one ``[b"", seq, payload]`` message per buffered batch from that number on, then
+  ``[b"", -1 (8 bytes, signed), b""]`` (without the empty frame in, none comes back).
 
 The engine reports per-node tier moves as ``BlockUpdated``; on the wire a move publishes
 ``BlockStored`` with the new medium, and ``BlockRemoved`` is only sent once the last copy of

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from kvpool_kernels import PagedAttention
 
 from kvpool_agent.cache import KVCacheManager, KvCacheRetentionConfig, SequenceHandle
 from kvpool_agent.cache.manager import _namespace
 from kvpool_agent.config import AgentConfig, ConfigError, changed_fields, restart_fields
+from kvpool_agent.server.attention import AttentionBatch, run_attention
 from kvpool_agent.server.events import EventPublisher, WireEncoder
 from kvpool_agent.server.snapshot import ImportResult, Namespace, export_snapshot, import_snapshot
 
@@ -70,6 +72,7 @@ class AgentService:
         self.serving = False
         self.started_at = time.monotonic()
         self.handoff_result: str | None = None
+        self.attention_kernel = PagedAttention()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -177,18 +180,23 @@ class AgentService:
 
         await self.call(run)
 
-    def block_ids(self, seq_id: int, pool: int, start: int, count: int, *, write: bool) -> list[int]:
+    def block_ids(
+        self, seq_id: int, pool: int, start: int, count: int, *, write: bool
+    ) -> list[int]:
         """Primary block ids ``[start, start + count)`` of a sequence's table in ``pool``.
 
         Writes may not touch blocks the sequence reused whole: other sequences share them.
         """
         handle = self.handle(seq_id)
         if not 0 <= pool < len(handle.block_tables):
-            raise RequestError(404, f"pool: {pool} does not exist (0..{len(handle.block_tables) - 1})")
+            raise RequestError(
+                404, f"pool: {pool} does not exist (0..{len(handle.block_tables) - 1})"
+            )
         table = handle.block_tables[pool]
         if count < 1 or start < 0 or start + count > len(table):
             raise RequestError(
-                422, f"blocks [{start}, {start + count}) are outside the table of {len(table)} blocks"
+                422,
+                f"blocks [{start}, {start + count}) are outside the table of {len(table)} blocks",
             )
         if write:
             tpb = handle.tokens_per_block
@@ -231,6 +239,29 @@ class AgentService:
 
         return await self.call(run)
 
+    async def attention(
+        self,
+        seq_ids: list[int],
+        q_lens: list[int],
+        layer: int,
+        num_qo_heads: int,
+        causal: bool,
+        q: torch.Tensor,
+    ) -> tuple[torch.Tensor, str]:
+        if len(seq_ids) != len(q_lens):
+            raise RequestError(422, f"q_lens: {len(q_lens)} entries for {len(seq_ids)} sequences")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise RequestError(422, "seq_ids: a sequence appears twice in the batch")
+        batch = AttentionBatch(
+            tuple(self.handle(s) for s in seq_ids), tuple(q_lens), layer, num_qo_heads, causal
+        )
+        try:
+            return await self.call(
+                lambda: run_attention(self.engine, self.attention_kernel, batch, q), heavy=True
+            )
+        except ValueError as err:  # AttentionRequestError and the kernels' shape checks
+            raise RequestError(422, str(err)) from None
+
     # ------------------------------------------------------------------ config
 
     async def apply_config(self, new: AgentConfig) -> list[str]:
@@ -244,7 +275,9 @@ class AgentService:
                 log.warning("config change needs a restart, not applied: %s", ", ".join(restart))
                 raise ConfigError("these fields need a restart: " + ", ".join(restart))
             self.reloads.pending_restart = []
-            changed = [f"kv_cache_config.{n}" for n in self.engine.apply_live_config(new.kv_cache_config)]
+            changed = [
+                f"kv_cache_config.{n}" for n in self.engine.apply_live_config(new.kv_cache_config)
+            ]
             changed += [f for f in changed_fields(self.config, new) if f not in changed]
             self.config = new
             self.flush_events()

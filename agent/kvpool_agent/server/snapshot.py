@@ -206,7 +206,7 @@ def _import_chain(engine: KVCacheManager, chain: list[list[Any]]) -> int:
                 if frame is None:
                     raise SnapshotError(f"snapshot: block {j} of pool {pool.index} has no KV")
                 writes.append((pool.index, table[j - first_block], decode_tensor(frame)))
-        for pool_index, block_id, kv in writes:
+        for pool_index, _, kv in writes:
             view = engine.pool_view(pool_index)
             if tuple(kv.shape) != tuple(view.shape[:1] + view.shape[2:]) or kv.dtype != view.dtype:
                 raise SnapshotError(f"snapshot: block of pool {pool_index} has the wrong shape")

@@ -1,0 +1,157 @@
+"""Prometheus metrics of one agent, in its own registry.
+
+Cache metrics come from a custom collector that reads the engine's ``CacheStats`` and pool
+usage at scrape time, so nothing is counted twice. Counters only: hit rate is
+``rate(kvpool_prefix_cache_hits_tokens_total[5m])`` over
+``rate(kvpool_prefix_cache_queries_tokens_total[5m])``, and the hit rate more capacity would
+buy adds ``kvpool_prefix_cache_capacity_misses_tokens_total``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvpool_agent.server.service import AgentService
+
+TIERS = ("primary", "secondary")
+
+LATENCY_BUCKETS = (
+    0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0
+)  # fmt: skip
+
+
+class CacheCollector(Collector):
+    """Reads one agent's engine and service state when Prometheus scrapes."""
+
+    def __init__(self, service: AgentService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.service
+        engine = svc.engine
+        s = engine.stats
+
+        yield _counter(
+            "kvpool_prefix_cache_queries_tokens", "Prompt tokens looked up.", s.queries_tokens
+        )
+        hits = CounterMetricFamily(
+            "kvpool_prefix_cache_hits_tokens",
+            "Prompt tokens reused, by the tier they came from.",
+            labels=["tier"],
+        )
+        for tier, value in zip(TIERS, s.hits_tokens, strict=True):
+            hits.add_metric([tier], value)
+        yield hits
+        yield _counter(
+            "kvpool_prefix_cache_capacity_misses_tokens",
+            "Missed tokens whose blocks were recently evicted (a bigger cache would have hit).",
+            s.capacity_miss_tokens,
+        )
+        evicted = CounterMetricFamily(
+            "kvpool_cache_evicted_blocks", "Blocks evicted from each tier.", labels=["tier"]
+        )
+        for tier, value in zip(TIERS, s.evictions, strict=True):
+            evicted.add_metric([tier], value)
+        yield evicted
+        offloaded = CounterMetricFamily(
+            "kvpool_cache_offloaded_blocks",
+            "Blocks copied down into a tier on eviction.",
+            labels=["tier"],
+        )
+        offloaded.add_metric(["secondary"], s.offloads)
+        yield offloaded
+        onboarded = CounterMetricFamily(
+            "kvpool_cache_onboarded_blocks",
+            "Blocks copied back up into a tier on reuse.",
+            labels=["tier"],
+        )
+        onboarded.add_metric(["primary"], s.onboards)
+        yield onboarded
+        yield _counter("kvpool_sequences_opened", "Sequences opened.", s.sequences_opened)
+
+        used = GaugeMetricFamily(
+            "kvpool_cache_blocks_used",
+            "Blocks in use (tree or open sequences).",
+            labels=["pool", "tier"],
+        )
+        total = GaugeMetricFamily(
+            "kvpool_cache_blocks_total", "Blocks the pool holds.", labels=["pool", "tier"]
+        )
+        free = GaugeMetricFamily(
+            "kvpool_cache_blocks_free", "Blocks free.", labels=["pool", "tier"]
+        )
+        pinned = GaugeMetricFamily(
+            "kvpool_cache_blocks_pinned",
+            "Blocks pinned by open sequences.",
+            labels=["pool", "tier"],
+        )
+        for row in engine.usage():
+            labels = [str(row["pool"]), str(row["tier"])]
+            used.add_metric(labels, float(row["blocks_used"]))
+            total.add_metric(labels, float(row["blocks_total"]))
+            free.add_metric(labels, float(row["blocks_free"]))
+            pinned.add_metric(labels, float(row["blocks_pinned"]))
+        yield from (used, total, free, pinned)
+        yield GaugeMetricFamily(
+            "kvpool_sequences_open", "Sequences open now.", value=engine.num_open_sequences
+        )
+        yield GaugeMetricFamily(
+            "kvpool_cache_tree_blocks", "Reusable blocks in the radix tree.", value=engine.num_nodes
+        )
+
+        yield _counter(
+            "kvpool_kv_events_published", "KV events published.", svc.publisher.published_events
+        )
+        yield _counter(
+            "kvpool_kv_events_dropped",
+            "KV events the engine's bounded queue dropped.",
+            engine.events.dropped,
+        )
+        reloads = CounterMetricFamily(
+            "kvpool_config_reloads", "Config file changes seen, by outcome.", labels=["result"]
+        )
+        r = svc.reloads
+        for result, value in (
+            ("applied", r.applied),
+            ("restart_required", r.restart_required),
+            ("invalid", r.invalid),
+            ("unchanged", r.unchanged),
+        ):
+            reloads.add_metric([result], value)
+        yield reloads
+        yield GaugeMetricFamily(
+            "kvpool_config_restart_pending",
+            "1 while the config file holds a restart-only change not applied yet.",
+            value=1.0 if r.pending_restart else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kvpool_agent_ready", "1 when /readyz says ready.", value=float(svc.ready)
+        )
+        yield GaugeMetricFamily(
+            "kvpool_agent_draining", "1 while draining.", value=float(svc.draining)
+        )
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class AgentMetrics:
+    """The registry of one agent: the cache collector and the request latency histogram."""
+
+    def __init__(self, service: AgentService) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(CacheCollector(service))
+        self.request_duration = Histogram(
+            "kvpool_request_duration_seconds",
+            "HTTP request latency by route template.",
+            labelnames=["route", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )

@@ -1,0 +1,98 @@
+"""Request and response bodies of the HTTP API (they generate the published OpenAPI spec).
+
+Token ids are strict non-negative ints below 2**63 (no strings, floats or booleans);
+unknown fields are rejected, so a typo is a 422 naming the field rather than a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from kvpool_agent.cache import KvCacheRetentionConfig
+
+TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 63)]
+ExtraKey = StrictInt | StrictStr
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OpenSequenceRequest(_Body):
+    tokens: list[TokenId] = Field(..., min_length=1, description="Prompt token ids.")
+    cache_salt: StrictStr | None = Field(
+        None, max_length=256, description="Tenant isolation: reuse only blocks of the same salt."
+    )
+    extra_keys: list[ExtraKey] = Field(
+        default_factory=list, max_length=16, description="More namespace keys (an adapter id)."
+    )
+    retention: KvCacheRetentionConfig | None = Field(
+        None, description="Retention policy; unset: the agent's configured default."
+    )
+    recompute_last_token: StrictBool = Field(
+        True, description="Keep the last prompt token out of the match (the client needs logits)."
+    )
+
+
+class AppendTokensRequest(_Body):
+    tokens: list[TokenId] = Field(..., min_length=1, description="Token ids to add.")
+
+
+class SequenceResponse(BaseModel):
+    seq_id: int
+    num_tokens: int
+    num_reused_tokens: int = Field(description="Leading tokens whose KV the cache already held.")
+    block_tables: list[list[int]] = Field(
+        description="Per pool, the primary block ids from first_token[pool] on."
+    )
+    first_token: list[int]
+    tokens_per_block: int
+    last_page_len: int
+
+
+class AttentionRequest(_Body):
+    seq_ids: list[StrictInt] = Field(..., min_length=1, max_length=4096)
+    q_lens: list[StrictInt] = Field(
+        ..., min_length=1, max_length=4096, description="Query tokens per sequence (its last ones)."
+    )
+    layer: StrictInt = Field(..., ge=0, description="Model layer.")
+    num_qo_heads: StrictInt = Field(..., ge=1)
+    causal: StrictBool = True
+    q: StrictStr = Field(
+        ...,
+        description="Base64 of a tensor frame (see docs/agent.md) of shape "
+        "[sum(q_lens), num_qo_heads, head_dim].",
+    )
+
+
+class AttentionResponse(BaseModel):
+    output: str = Field(description="Base64 tensor frame [sum(q_lens), num_qo_heads, head_dim].")
+    backend: str = Field(description="flashinfer or torch.")
+
+
+class HandoffResponse(BaseModel):
+    chains: int
+    blocks_written: int
+    skipped: int
+
+
+class ErrorResponse(BaseModel):
+    detail: Any = Field(description="Why the request was refused; nothing was changed.")
+
+
+class StatsResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    queries_tokens: int
+    hits_tokens: dict[str, int]
+    capacity_miss_tokens: int
+    open_sequences: int
+    pools: list[dict[str, Any]]
+
+
+class ReplayedBatch(BaseModel):
+    seq: int
+    ts: float
+    events: list[list[Any]]

@@ -1,0 +1,99 @@
+"""Run one agent under uvicorn: service, app, config watcher, warm start and SIGTERM drain.
+
+uvicorn's own signal handling is replaced: on SIGTERM/SIGINT the agent drains (see
+``lifecycle.drain``) and only then asks uvicorn to exit, so in-flight sequences can finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Generator
+from pathlib import Path
+
+import uvicorn
+
+from kvpool_agent.config import AgentConfig
+from kvpool_agent.server.app import create_app
+from kvpool_agent.server.lifecycle import drain, warm_start
+from kvpool_agent.server.reload import ConfigWatcher
+from kvpool_agent.server.service import AgentService
+
+log = logging.getLogger("kvpool.agent")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the agent installs its own handlers (drain first, then exit)
+
+
+def endpoint_overrides(
+    config: AgentConfig, host: str | None, port: int | None
+) -> dict[str, object]:
+    """Dotted-path overrides from ``--host/--port``; a ``*`` event host follows ``--host``."""
+    out: dict[str, object] = {}
+    if host is not None:
+        out["server.host"] = host
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(config.events, name)
+            if value is not None and "://*:" in value:
+                out[f"events.{name}"] = value.replace("://*:", f"://{host}:")
+    if port is not None:
+        out["server.port"] = port
+    return out
+
+
+async def serve(
+    config: AgentConfig, config_path: str | Path | None, overrides: dict[str, object]
+) -> int:
+    service = AgentService(config)
+    watcher = (
+        ConfigWatcher(service, config_path, overrides=overrides)
+        if config_path is not None
+        else None
+    )
+    server: _Server | None = None
+    drain_task: asyncio.Task[str] | None = None
+
+    def stop() -> None:
+        assert server is not None
+        server.should_exit = True
+
+    def on_signal() -> None:
+        nonlocal drain_task
+        if drain_task is None:
+            drain_task = asyncio.get_running_loop().create_task(drain(service, stop))
+        else:  # a second signal: stop now
+            stop()
+
+    async def on_startup() -> None:
+        await warm_start(service)
+        service.flush_events()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        if watcher is not None:
+            watcher.start()
+
+    async def on_shutdown() -> None:
+        if watcher is not None:
+            await watcher.stop()
+
+    app = create_app(service, on_startup=on_startup, on_shutdown=on_shutdown)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        lifespan="on",
+    )
+    server = _Server(uv_config)
+    await server.serve()
+    if drain_task is not None and not drain_task.done():
+        drain_task.cancel()
+    return 0
