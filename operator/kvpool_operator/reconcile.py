@@ -107,6 +107,8 @@ def reconcile(ctx: OperatorContext, body: dict[str, Any], *, observe_metrics: bo
 
     Raises KubeError when the API server refuses a child (the handler retries later).
     """
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return  # being deleted: the garbage collector takes the children, nothing to apply
     runtime = ctx.runtime(pool_key(body))
     with runtime.lock:
         _reconcile_locked(ctx, runtime, body, observe_metrics=observe_metrics)

@@ -52,7 +52,9 @@ def fill_value(tokens: list[int], position: int) -> float:
     return float(hash(tuple(tokens[: position + 1])) % 100_003)
 
 
-def write_kv(mgr: KVCacheManager, handle: SequenceHandle, tokens: list[int], start: int = 0) -> None:
+def write_kv(
+    mgr: KVCacheManager, handle: SequenceHandle, tokens: list[int], start: int = 0
+) -> None:
     """Write deterministic KV for tokens ``start..`` of a sequence into every pool it uses."""
     tpb = mgr.tpb
     for pool, table in enumerate(handle.block_tables):
@@ -71,7 +73,10 @@ def read_kv(mgr: KVCacheManager, handle: SequenceHandle, upto: int) -> list[list
         view = mgr.pool_view(pool)
         first = handle.first_token[pool]
         out.append(
-            [float(view[0, table[(p - first) // tpb], 0, p % tpb, 0, 0]) for p in range(first, upto)]
+            [
+                float(view[0, table[(p - first) // tpb], 0, p % tpb, 0, 0])
+                for p in range(first, upto)
+            ]
         )
     return out
 

@@ -74,7 +74,10 @@ def test_window_list_repeats_over_layers() -> None:
 def test_kv_heads_per_layer_must_match_layers() -> None:
     with pytest.raises(ValidationError, match="num_kv_heads"):
         ModelGeometry(num_layers=3, num_kv_heads=[2, 2], head_dim=8)
-    assert ModelGeometry(num_layers=2, num_kv_heads=[2, 4], head_dim=8).kv_heads_per_layer() == [2, 4]
+    assert ModelGeometry(num_layers=2, num_kv_heads=[2, 4], head_dim=8).kv_heads_per_layer() == [
+        2,
+        4,
+    ]
 
 
 def test_load_agent_config_names_every_bad_field(tmp_path: Path) -> None:

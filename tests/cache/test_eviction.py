@@ -12,7 +12,9 @@ from kvpool_agent.cache.eviction import EvictionQueue
 class Rec:
     """A minimal evictable record for queue unit tests."""
 
-    def __init__(self, block_id: int, priority: int, last_used: int, expires_at: float | None = None):
+    def __init__(
+        self, block_id: int, priority: int, last_used: int, expires_at: float | None = None
+    ):
         self.block_id = block_id
         self.priority = priority
         self.last_used = last_used
@@ -59,8 +61,12 @@ def test_expired_priority_reverts_to_default_at_its_recency() -> None:
 
 def test_engine_evicts_lowest_priority_first(clock: FakeClock) -> None:
     mgr = make_manager(4, clock=clock)
-    low = KvCacheRetentionConfig(token_range_retention_configs=[TokenRangeRetentionConfig(priority=10)])
-    high = KvCacheRetentionConfig(token_range_retention_configs=[TokenRangeRetentionConfig(priority=90)])
+    low = KvCacheRetentionConfig(
+        token_range_retention_configs=[TokenRangeRetentionConfig(priority=10)]
+    )
+    high = KvCacheRetentionConfig(
+        token_range_retention_configs=[TokenRangeRetentionConfig(priority=90)]
+    )
     a = mgr.open_sequence([1, 2, 3, 4, 0], retention=high)
     mgr.release(a.seq_id)
     b = mgr.open_sequence([5, 6, 7, 8, 0], retention=low)

@@ -54,7 +54,9 @@ def test_events_stored_updated_removed() -> None:
     mgr.release(mgr.open_sequence([1] * 4 + [0]).seq_id)
     (stored,) = mgr.events.drain()
     assert isinstance(stored, BlockStored)
-    assert stored.token_ids == (1, 1, 1, 1) and stored.parent_key is None and stored.tier == "primary"
+    assert (
+        stored.token_ids == (1, 1, 1, 1) and stored.parent_key is None and stored.tier == "primary"
+    )
     mgr.release(mgr.open_sequence([2] * 4 + [0]).seq_id)  # offloads [1]
     mgr.release(mgr.open_sequence([3] * 4 + [0]).seq_id)  # offloads [2], drops [1] from host
     kinds = [type(e) for e in mgr.events.drain()]

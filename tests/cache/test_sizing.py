@@ -61,7 +61,9 @@ def test_initial_split_weights_window_and_width() -> None:
     full, window = plan.primary.group_blocks
     # Same width: blocks split about (4096 + 32) : (480 + 32).
     assert full / window == pytest.approx((4096 + 32) / (480 + 32), rel=0.1)
-    used = sum(b * g.block_bytes for b, g in zip(plan.primary.group_blocks, plan.groups, strict=True))
+    used = sum(
+        b * g.block_bytes for b, g in zip(plan.primary.group_blocks, plan.groups, strict=True)
+    )
     assert 0.95 * (256 << 20) <= used <= 256 << 20
 
 
@@ -81,9 +83,13 @@ def test_size_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert pool["secondary"]["bytes"] == 1048576
 
 
-def test_size_command_reports_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_size_command_reports_bad_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "agent.yaml"
-    path.write_text("model: {num_layers: 2, num_kv_heads: 2, head_dim: 64}\n"
-                    "kv_cache_config: {free_gpu_memory_fraction: 2}\n")
+    path.write_text(
+        "model: {num_layers: 2, num_kv_heads: 2, head_dim: 64}\n"
+        "kv_cache_config: {free_gpu_memory_fraction: 2}\n"
+    )
     assert main(["size", str(path)]) == 2
     assert "kv_cache_config.free_gpu_memory_fraction" in capsys.readouterr().err

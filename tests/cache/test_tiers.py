@@ -1,4 +1,4 @@
-"""The host tier: offload by priority, findable while offloaded, onboard on reuse, batched copies."""
+"""The host tier: offload by priority, findable when offloaded, onboard on reuse, batched."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def test_evicted_block_is_offloaded_and_onboarded_intact() -> None:
 
 def test_blocks_below_the_threshold_are_dropped_not_offloaded() -> None:
     mgr = make_manager(2, host_blocks=8, secondary_offload_min_priority=35)
-    low = KvCacheRetentionConfig(token_range_retention_configs=[TokenRangeRetentionConfig(priority=34)])
+    low = KvCacheRetentionConfig(
+        token_range_retention_configs=[TokenRangeRetentionConfig(priority=34)]
+    )
     _fill(mgr, [1] * 5, retention=low)
     _fill(mgr, [2] * 5)
     _fill(mgr, [3] * 5)

@@ -29,7 +29,7 @@ def test_blocks_leaving_the_window_are_released_to_the_tree() -> None:
     # Queries from position 20 on see keys 13..20: window blocks 0..2 are released.
     assert h.first_token == (0, 12)
     assert len(h.block_tables[1]) == 3
-    window_pinned = [u for u in mgr.usage() if u["pool"] == 1 and u["tier"] == "primary"][0]
+    window_pinned = next(u for u in mgr.usage() if u["pool"] == 1 and u["tier"] == "primary")
     assert window_pinned["blocks_pinned"] == 3
     # Released window blocks stay in the tree: reusable by a prefix ending near them.
     nodes = {n.tokens[0]: n for n in mgr.iter_nodes()}

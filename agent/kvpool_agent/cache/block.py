@@ -47,7 +47,7 @@ class TreeNode:
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.blocks: list[Block | None] = [None] * num_groups
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.priority = DEFAULT_PRIORITY
         self.expires_at: float | None = None
         self.stored_at = 0.0

@@ -224,7 +224,7 @@ def _group_weights(
 ) -> list[float]:
     finite = [g.window for g in groups if not g.full_attention]
     full_window = max_seq_len or (max(finite) if finite else 1)
-    weights = []
+    weights: list[float] = []
     for g in groups:
         window = full_window if g.full_attention else min(g.window, full_window)
         # A window group holds at most window/tpb + 1 blocks of each sequence.
@@ -240,8 +240,8 @@ def _plan_tier(
     if budget < biggest * n:
         return TierPlan(name, budget, biggest, 0, (0,) * n, (0,) * n)
     if n == 1:
-        blocks = budget // biggest
-        return TierPlan(name, budget, biggest * blocks, 1, (1,), (blocks,))
+        count = budget // biggest
+        return TierPlan(name, budget, biggest * count, 1, (1,), (count,))
     chunk = max(biggest, (budget // TARGET_CHUNKS) // biggest * biggest)
     num_chunks = budget // chunk
     total = sum(weights)
@@ -252,7 +252,8 @@ def _plan_tier(
     order = sorted(range(n), key=lambda i: exact[i] - counts[i], reverse=True)
     for i in order[: num_chunks - sum(counts)]:
         counts[i] += 1
-    blocks, first = [], 0
+    blocks: list[int] = []
+    first = 0
     for c, g in zip(counts, groups, strict=True):
         blocks.append(
             sum(len(block_ids_in_chunk(k, chunk, g.block_bytes)) for k in range(first, first + c))

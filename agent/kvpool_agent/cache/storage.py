@@ -17,9 +17,9 @@ group to another needs no reallocation: rebalancing only changes which ids are h
 from __future__ import annotations
 
 import torch
-from kvpool_kernels.copy import copy_blocks
 
 from kvpool_agent.cache.sizing import PoolPlan, PoolSpec, TierPlan
+from kvpool_kernels.copy import copy_blocks
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
