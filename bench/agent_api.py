@@ -89,8 +89,20 @@ def start_agent(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     path = tmp / "agent.yaml"
     path.write_text(yaml.safe_dump(CONFIG))
     port = free_port()
-    cmd = [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(path),
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpool_agent.cli",
+        "agent",
+        "--config",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -104,7 +116,9 @@ def start_agent(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("agent did not become ready")
 
 
-def loopback(url: str, cycles: int, clients: int, toks: list[list[int]], progress: Progress) -> tuple[list[float], float]:
+def loopback(
+    url: str, cycles: int, clients: int, toks: list[list[int]], progress: Progress
+) -> tuple[list[float], float]:
     task = progress.add_task(f"loopback x{clients}", total=cycles)
     lats: list[list[float]] = [[] for _ in range(clients)]
 
@@ -169,13 +183,25 @@ def main() -> None:
     for col in ("mode", "clients", "cycles", "cycles/s", "p50 ms", "p99 ms", "ratio"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(r.mode, str(r.clients), str(r.cycles), f"{r.cycles_per_s:.0f}",
-                      f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", f"{r.ratio_to_in_process:.3f}")  # fmt: skip
+        table.add_row(
+            r.mode,
+            str(r.clients),
+            str(r.cycles),
+            f"{r.cycles_per_s:.0f}",
+            f"{r.p50_ms:.2f}",
+            f"{r.p99_ms:.2f}",
+            f"{r.ratio_to_in_process:.3f}",
+        )
     console.print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "agent_api.json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                    "results": [asdict(r) for r in results]}, indent=2)  # fmt: skip
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "results": [asdict(r) for r in results],
+            },
+            indent=2,
+        )
     )
 
 

@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 import yaml
-from kvpool_agent.config import LIVE_FIELDS, AgentConfig
 
+from kvpool_agent.config import LIVE_FIELDS, AgentConfig
 from kvpool_operator.models import (
     API_VERSION,
     COMPONENT_LABEL,

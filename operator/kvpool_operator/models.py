@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
 from kvpool_agent.config import (
     AgentConfig,
     EventsConfig,
@@ -18,8 +21,6 @@ from kvpool_agent.config import (
     ModelGeometry,
     RetentionDefaults,
 )
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
 
 GROUP = "kvpool.io"
 VERSION = "v1alpha1"

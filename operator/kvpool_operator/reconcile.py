@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-from kvpool_agent.config import AgentConfig, changed_fields, format_validation_error, restart_fields
 from pydantic import ValidationError
 
+from kvpool_agent.config import AgentConfig, changed_fields, format_validation_error, restart_fields
 from kvpool_operator import children
 from kvpool_operator.autoscaler import ScalerState, decide
 from kvpool_operator.kube import KubeApi, KubeError

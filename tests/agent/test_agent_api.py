@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvpool_kernels import PagedAttention
 
 from kvpool_agent.server import AgentService
 from kvpool_agent.server.payload import MEDIA_TYPE, decode_tensor, encode_tensor
+from kvpool_kernels import PagedAttention
 
 from .conftest import TPB, snapshot_state
 
@@ -68,7 +68,9 @@ async def test_kv_write_read_roundtrip_and_shared_blocks_are_read_only(
     sid = seq["seq_id"]
     kv = kv_for(service, 3, seed=1)
     resp = await client.put(
-        f"/v1/sequences/{sid}/kv/0/0", content=encode_tensor(kv), headers={"content-type": MEDIA_TYPE}
+        f"/v1/sequences/{sid}/kv/0/0",
+        content=encode_tensor(kv),
+        headers={"content-type": MEDIA_TYPE},
     )
     assert resp.status_code == 204, resp.text
     back = await client.get(f"/v1/sequences/{sid}/kv/0/0", params={"count": 3})
@@ -122,7 +124,7 @@ async def test_wrong_shape_dtype_and_range_are_rejected(
         (f"/v1/sequences/{sid}/kv/0/0", encode_tensor(torch.zeros(3, 3)), 422),
         (f"/v1/sequences/{sid}/kv/0/1", encode_tensor(kv_for(service, 2, 0)), 422),
         (f"/v1/sequences/{sid}/kv/5/0", encode_tensor(kv_for(service, 1, 0)), 404),
-        (f"/v1/sequences/999/kv/0/0", encode_tensor(kv_for(service, 1, 0)), 404),
+        ("/v1/sequences/999/kv/0/0", encode_tensor(kv_for(service, 1, 0)), 404),
     ]:
         resp = await client.put(path, content=body)
         assert resp.status_code == status, (path, resp.text)
@@ -136,7 +138,8 @@ async def test_attention_matches_the_kernel_run_in_process(
     for i, seq in enumerate(seqs):
         blocks = len(seq["block_tables"][0])
         resp = await client.put(
-            f"/v1/sequences/{seq['seq_id']}/kv/0/0", content=encode_tensor(kv_for(service, blocks, i))
+            f"/v1/sequences/{seq['seq_id']}/kv/0/0",
+            content=encode_tensor(kv_for(service, blocks, i)),
         )
         assert resp.status_code == 204
     q_lens = [2, 3]
@@ -162,8 +165,13 @@ async def test_attention_matches_the_kernel_run_in_process(
         torch.tensor([0, len(tables[0]), len(tables[0]) + len(tables[1])], dtype=torch.int32),
         torch.tensor(tables[0] + tables[1], dtype=torch.int32),
         torch.tensor([1, 1], dtype=torch.int32),
-        4, 2, 8, TPB, q_dtype=torch.float32, kv_dtype=torch.float32,
-    )  # fmt: skip
+        4,
+        2,
+        8,
+        TPB,
+        q_dtype=torch.float32,
+        kv_dtype=torch.float32,
+    )
     want = kernel.run(q, eng.pool_view(0)[1])
     assert torch.allclose(out, want, atol=1e-6)
 
@@ -193,7 +201,12 @@ async def test_engine_errors_map_to_4xx_and_change_nothing(
         ("post", "/v1/sequences", {"tokens": ["1"]}, 422),
         ("post", "/v1/sequences", {"tokens": [True]}, 422),
         ("post", "/v1/sequences", {"tokens": [1], "bogus": 1}, 422),
-        ("post", "/v1/sequences", {"tokens": [1], "retention": {"decodeRetentionPriority": 101}}, 422),
+        (
+            "post",
+            "/v1/sequences",
+            {"tokens": [1], "retention": {"decodeRetentionPriority": 101}},
+            422,
+        ),
         ("post", "/v1/sequences", {"tokens": list(range(64 * TPB + 1))}, 413),
         ("post", "/v1/sequences/999/tokens", {"tokens": [1]}, 404),
         ("post", "/v1/sequences/999/commit", None, 404),
@@ -212,7 +225,9 @@ async def test_out_of_blocks_is_503_and_changes_nothing(
 ) -> None:
     await open_seq(client, list(range(60 * TPB)))  # pins 60 of the 64 blocks
     before = snapshot_state(service)
-    resp = await client.post("/v1/sequences", json={"tokens": list(range(10_000, 10_000 + 8 * TPB))})
+    resp = await client.post(
+        "/v1/sequences", json={"tokens": list(range(10_000, 10_000 + 8 * TPB))}
+    )
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert snapshot_state(service) == before
 
@@ -245,24 +260,33 @@ async def test_openapi_spec_lists_the_api(client: httpx.AsyncClient) -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
-open_bodies = st.fixed_dictionaries(
-    {},
-    optional={
-        "tokens": st.lists(st.integers(-3, 2**64) | json_values, max_size=20),
-        "cache_salt": json_values,
-        "extra_keys": json_values,
-        "retention": json_values
-        | st.fixed_dictionaries(
-            {"decodeRetentionPriority": st.integers(-5, 120)},
-            optional={"tokenRangeRetentionConfigs": json_values},
-        ),
-        "recompute_last_token": json_values,
-    },
-) | json_values
+open_bodies = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "tokens": st.lists(st.integers(-3, 2**64) | json_values, max_size=20),
+            "cache_salt": json_values,
+            "extra_keys": json_values,
+            "retention": json_values
+            | st.fixed_dictionaries(
+                {"decodeRetentionPriority": st.integers(-5, 120)},
+                optional={"tokenRangeRetentionConfigs": json_values},
+            ),
+            "recompute_last_token": json_values,
+        },
+    )
+    | json_values
+)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))

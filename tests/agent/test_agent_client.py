@@ -54,7 +54,9 @@ def test_adding_a_replica_moves_only_its_share_and_removing_moves_only_its_keys(
     st.lists(st.integers(0, 2**31), min_size=1, max_size=80),
     st.sets(st.text(min_size=1, max_size=12), min_size=1, max_size=8),
 )
-def test_ranking_is_a_permutation_independent_of_list_order(toks: list[int], names: set[str]) -> None:
+def test_ranking_is_a_permutation_independent_of_list_order(
+    toks: list[int], names: set[str]
+) -> None:
     k = affinity_key(toks, 4, 4)
     ranked = rendezvous_rank(k, sorted(names))
     assert sorted(ranked) == sorted(names)
@@ -72,10 +74,18 @@ def test_client_fails_over_to_the_next_ranked_replica_on_503() -> None:
             return httpx.Response(503, json={"detail": "draining"})
         if request.method == "POST":
             body = json.loads(request.content)
-            return httpx.Response(201, json={
-                "seq_id": 1, "num_tokens": len(body["tokens"]), "num_reused_tokens": 0,
-                "block_tables": [[0]], "first_token": [0], "tokens_per_block": 4,
-                "last_page_len": 1})  # fmt: skip
+            return httpx.Response(
+                201,
+                json={
+                    "seq_id": 1,
+                    "num_tokens": len(body["tokens"]),
+                    "num_reused_tokens": 0,
+                    "block_tables": [[0]],
+                    "first_token": [0],
+                    "tokens_per_block": 4,
+                    "last_page_len": 1,
+                },
+            )
         return httpx.Response(204)
 
     http = httpx.Client(transport=httpx.MockTransport(handler))

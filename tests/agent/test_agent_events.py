@@ -49,7 +49,9 @@ async def test_events_are_published_numbered_and_replayed() -> None:
         replay.connect(svc.publisher.replay_endpoint)
         await asyncio.sleep(0.3)  # PUB/SUB joins late: the start-up batch is only in replay
         app = create_app(svc)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://a"
+        ) as c:
             seq = (await c.post("/v1/sequences", json={"tokens": list(range(9))})).json()
             await c.delete(f"/v1/sequences/{seq['seq_id']}")
             topic, seq_bytes, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
@@ -87,7 +89,9 @@ async def test_evictions_remove_blocks_with_a_reason(
     client: httpx.AsyncClient, service: AgentService
 ) -> None:
     for base in range(0, 20 * 64 * TPB, 64 * TPB):  # more distinct prefixes than the pool holds
-        seq = (await client.post("/v1/sequences", json={"tokens": list(range(base, base + 32 * TPB))})).json()
+        seq = (
+            await client.post("/v1/sequences", json={"tokens": list(range(base, base + 32 * TPB))})
+        ).json()
         await client.delete(f"/v1/sequences/{seq['seq_id']}")
     batches = (await client.get("/v1/events")).json()
     seqs = [b["seq"] for b in batches]

@@ -12,14 +12,21 @@ import torch
 from kvpool_agent.server import AgentService, create_app
 from kvpool_agent.server.lifecycle import drain, warm_start
 from kvpool_agent.server.payload import encode_tensor
-from kvpool_agent.server.snapshot import SnapshotError, export_snapshot, import_snapshot, select_hottest
+from kvpool_agent.server.snapshot import (
+    SnapshotError,
+    export_snapshot,
+    import_snapshot,
+    select_hottest,
+)
 
 from .conftest import TPB, small_config
 
 pytestmark = pytest.mark.asyncio
 
 
-async def fill(client: httpx.AsyncClient, service: AgentService, prompts: list[list[int]]) -> dict[int, torch.Tensor]:
+async def fill(
+    client: httpx.AsyncClient, service: AgentService, prompts: list[list[int]]
+) -> dict[int, torch.Tensor]:
     """Open, write distinct KV for, and release each prompt; returns KV by prompt index."""
     written = {}
     view = service.engine.pool_view(0)
@@ -40,7 +47,9 @@ async def test_export_import_moves_blocks_and_their_kv(
 ) -> None:
     prompts = [list(range(p * 100, p * 100 + 6 * TPB)) for p in range(3)]
     written = await fill(client, service, prompts)
-    salted = (await client.post("/v1/sequences", json={"tokens": prompts[0], "cache_salt": "s"})).json()
+    salted = (
+        await client.post("/v1/sequences", json={"tokens": prompts[0], "cache_salt": "s"})
+    ).json()
     await client.delete(f"/v1/sequences/{salted['seq_id']}")
     blob = export_snapshot(service.engine, service.namespaces)
 
@@ -64,8 +73,12 @@ async def test_hottest_blocks_go_first_and_ancestors_come_along(
     cold = list(range(0, 4 * TPB))
     hot = list(range(1000, 1000 + 4 * TPB))
     await fill(client, service, [cold, hot])
-    seq = (await client.post("/v1/sequences", json={
-        "tokens": hot, "retention": {"tokenRangeRetentionConfigs": [{"priority": 90}]}})).json()
+    seq = (
+        await client.post(
+            "/v1/sequences",
+            json={"tokens": hot, "retention": {"tokenRangeRetentionConfigs": [{"priority": 90}]}},
+        )
+    ).json()
     await client.delete(f"/v1/sequences/{seq['seq_id']}")
     picked = select_hottest(service.engine.iter_nodes(), max_blocks=4)
     assert [n.tokens for n in picked] == [tuple(hot[i : i + TPB]) for i in range(0, 16, TPB)]
@@ -100,7 +113,9 @@ async def test_drain_finishes_in_flight_sequences_then_snapshots(tmp_path: Path)
     stopped = asyncio.Event()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
         await fill(c, svc, [list(range(4 * TPB))])
-        inflight = (await c.post("/v1/sequences", json={"tokens": list(range(500, 500 + 3 * TPB))})).json()
+        inflight = (
+            await c.post("/v1/sequences", json={"tokens": list(range(500, 500 + 3 * TPB))})
+        ).json()
         task = asyncio.create_task(drain(svc, stopped.set))
         await asyncio.sleep(0.05)
         assert (await c.get("/readyz")).status_code == 503

@@ -1,4 +1,4 @@
-"""The agent as a real process on loopback: SIGTERM drain, warm restart against cold, peer handoff."""
+"""The agent as a real process on loopback: SIGTERM drain, warm vs cold restart, peer handoff."""
 
 from __future__ import annotations
 
@@ -50,8 +50,18 @@ class Agent:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Agent:
-        cmd = [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(self.config),
-               "--host", self.host, "--port", str(self.port)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpool_agent.cli",
+            "agent",
+            "--config",
+            str(self.config),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         return self
@@ -98,7 +108,10 @@ def fill(c: httpx.Client, toks: list[list[int]]) -> None:
     for i, t in enumerate(toks):
         seq = c.post("/v1/sequences", json={"tokens": t}).json()
         kv = torch.full((2, len(seq["block_tables"][0]), 2, TPB, 2, 8), float(i))
-        assert c.put(f"/v1/sequences/{seq['seq_id']}/kv/0/0", content=encode_tensor(kv)).status_code == 204
+        assert (
+            c.put(f"/v1/sequences/{seq['seq_id']}/kv/0/0", content=encode_tensor(kv)).status_code
+            == 204
+        )
         assert c.delete(f"/v1/sequences/{seq['seq_id']}").status_code == 204
 
 
@@ -142,7 +155,9 @@ def test_warm_restart_against_cold(tmp_path: Path, agents: list[Agent]) -> None:
         assert torch.equal(decode_tensor(kv.content), torch.full((2, 7, 2, TPB, 2, 8), 2.0))
         metrics = w.get("/metrics").text
     assert warm_rate > 0.9 and cold_rate == 0.0, (warm_rate, cold_rate)
-    assert f"kvpool_prefix_cache_queries_tokens_total {float(6 * 8 * TPB + len(toks[2]))}" in metrics
+    assert (
+        f"kvpool_prefix_cache_queries_tokens_total {float(6 * 8 * TPB + len(toks[2]))}" in metrics
+    )
 
 
 def test_drain_hands_the_hottest_blocks_to_a_peer(tmp_path: Path, agents: list[Agent]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from kvpool_operator.devcluster.cluster import DevCluster
 from kvpool_operator.devcluster.podagents import command_template
 
@@ -24,6 +25,7 @@ os.environ.setdefault("KVPOOL_TIMER_INTERVAL", "2")
 
 import kopf
 from kopf.testing import KopfRunner
+
 from kvpool_operator import handlers
 from kvpool_operator.models import CONFIG_HASH_ANNOTATION
 
@@ -254,8 +256,10 @@ def test_builtin_autoscaler_scales_a_hot_pool(
     tmp_path: Path,
 ) -> None:
     """Agents report a 40% hit rate, mostly capacity misses, a full cache: scale up to max."""
+    script = tmp_path / "fake_agent.py"
+    script.write_text(FAKE_AGENT)
     pod_agents(
-        command_template([sys.executable, "-c", FAKE_AGENT, "{pod_ip}", "8000"]),
+        command_template([sys.executable, str(script), "{pod_ip}", "8000"]),
         namespace=namespace,
     )
     doc = pool_manifest(

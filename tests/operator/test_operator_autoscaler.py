@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
+
 from kvpool_operator.autoscaler import ScalerState, Signal, decide, signal
 from kvpool_operator.metrics import Observation, ScrapeTarget, observe, scrape_pool
 from kvpool_operator.models import AutoscalingSpec

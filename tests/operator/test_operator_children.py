@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kvpool_agent.config import LIVE_FIELDS, load_agent_config
 from kvpool_operator import children
 from kvpool_operator.models import CONFIG_HASH_ANNOTATION, KVCachePool

@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 import yaml
 from kvp_cases import REPO, example_documents
+from pydantic import BaseModel
+
 from kvpool_operator.crd import crd_manifest, crd_yaml
 from kvpool_operator.models import KVCachePool
 from kvpool_operator.schema import SchemaError, at_path, check_structural, structural_schema
-from pydantic import BaseModel
 
 CRD_FILE = REPO / "crds" / "kvcachepools.yaml"
 

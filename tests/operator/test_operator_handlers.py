@@ -16,6 +16,7 @@ import kopf
 import pytest
 import pytest_asyncio
 from kube_mock import ApplyingEmulator
+
 from kvpool_operator import handlers
 from kvpool_operator.kube import KubeApi
 from kvpool_operator.metrics import ScrapeTarget

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvpool_kernels import PagedAttention, window_left_for
 
 from kvpool_agent.cache import KVCacheManager, SequenceHandle
+from kvpool_kernels import PagedAttention, window_left_for
 
 
 class AttentionRequestError(ValueError):

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from kvpool_kernels import PagedAttention
 
 from kvpool_agent.cache import KVCacheManager, KvCacheRetentionConfig, SequenceHandle
 from kvpool_agent.cache.manager import _namespace
@@ -25,6 +24,7 @@ from kvpool_agent.config import AgentConfig, ConfigError, changed_fields, restar
 from kvpool_agent.server.attention import AttentionBatch, run_attention
 from kvpool_agent.server.events import EventPublisher, WireEncoder
 from kvpool_agent.server.snapshot import ImportResult, Namespace, export_snapshot, import_snapshot
+from kvpool_kernels import PagedAttention
 
 log = logging.getLogger("kvpool.agent")
 

@@ -406,6 +406,12 @@ class DevCluster:
                 f"--tls-cert-file={pki.apiserver_cert}",
                 f"--tls-private-key-file={pki.apiserver_key}",
                 f"--client-ca-file={pki.ca_cert}",
+                # Front-proxy settings: without them every component logs a missing CA bundle.
+                f"--requestheader-client-ca-file={pki.ca_cert}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 f"--service-account-key-file={pki.sa_pub}",
                 f"--service-account-signing-key-file={pki.sa_key}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
