@@ -5,8 +5,13 @@ Baseline, measured in the same run: the same cycles called in-process on a
 sequences, so after the first round every open reuses all but the last block (the common
 case for a prefix cache) and the cache never fills.
 
-    python bench/agent_api.py                  # 2000 cycles, one client
+Partial reuse is off by default so the figure is the API's cost: with it on, every open also
+copies the partly matched last block (copy-on-partial-reuse), which on CPU currently costs
+far more than the rest of the call (``--partial-reuse`` measures that case).
+
+    python bench/agent_api.py                  # 1000 cycles, one client
     python bench/agent_api.py --cycles 300 --clients 4
+    python bench/agent_api.py --cycles 40 --partial-reuse
 
 Prints a table and writes ``bench/results/agent_api.json``.
 """
@@ -24,6 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -33,9 +39,9 @@ from rich.table import Table
 
 console = Console()
 
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "model": {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
-    "kv_cache_config": {"tokens_per_block": 32},
+    "kv_cache_config": {"tokens_per_block": 32, "enable_partial_reuse": False},
     "device": "cpu",
     "cpu_budget_bytes": 128 << 20,
     "events": {"endpoint": "tcp://*:*", "replay_endpoint": None},
@@ -51,6 +57,8 @@ class Result:
     p50_ms: float
     p99_ms: float
     ratio_to_in_process: float
+    server_ms: float | None = None
+    """Mean time inside the agent per cycle (its request histogram), without client and wire."""
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -142,6 +150,22 @@ def loopback(
     return [x for xs in lats for x in xs], wall
 
 
+def server_seconds(url: str) -> float:
+    """Total seconds the agent spent in open and release requests so far."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvpool_request_duration_seconds_sum" and sample.labels["route"] in (
+                "/v1/sequences",
+                "/v1/sequences/{seq_id}",
+            ):
+                total += sample.value
+    return total
+
+
 def summarize(mode: str, clients: int, lat: list[float], wall: float, base: float) -> Result:
     rate = len(lat) / wall
     return Result(
@@ -157,12 +181,14 @@ def summarize(mode: str, clients: int, lat: list[float], wall: float, base: floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cycles", type=int, default=2000)
+    ap.add_argument("--cycles", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--partial-reuse", action="store_true", help="enable_partial_reuse: true")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
+    CONFIG["kv_cache_config"]["enable_partial_reuse"] = args.partial_reuse
     toks = prompts(args.prompts, args.tokens)
     results = []
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console) as progress:
@@ -171,16 +197,18 @@ def main() -> None:
             in_lat = in_process(args.cycles, toks, progress)
             base_rate = len(in_lat) / sum(in_lat)
             results.append(summarize("in-process", 1, in_lat, sum(in_lat), base_rate))
-            lat, wall = loopback(url, args.cycles, 1, toks, progress)
-            results.append(summarize("HTTP loopback", 1, lat, wall, base_rate))
-            if args.clients > 1:
-                lat, wall = loopback(url, args.cycles, args.clients, toks, progress)
-                results.append(summarize("HTTP loopback", args.clients, lat, wall, base_rate))
+            for clients in sorted({1, args.clients}):
+                spent = server_seconds(url)
+                lat, wall = loopback(url, args.cycles, clients, toks, progress)
+                result = summarize("HTTP loopback", clients, lat, wall, base_rate)
+                result.server_ms = round((server_seconds(url) - spent) / len(lat) * 1e3, 3)
+                results.append(result)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     table = Table(title=f"open + release of {args.tokens}-token prompts")
-    for col in ("mode", "clients", "cycles", "cycles/s", "p50 ms", "p99 ms", "ratio"):
+    cols = ("mode", "clients", "cycles", "cycles/s", "p50 ms", "p99 ms", "ratio", "in agent ms")
+    for col in cols:
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
@@ -191,10 +219,12 @@ def main() -> None:
             f"{r.p50_ms:.2f}",
             f"{r.p99_ms:.2f}",
             f"{r.ratio_to_in_process:.3f}",
+            "" if r.server_ms is None else f"{r.server_ms:.2f}",
         )
     console.print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "agent_api.json").write_text(
+    name = "agent_api_partial.json" if args.partial_reuse else "agent_api.json"
+    (args.out / name).write_text(
         json.dumps(
             {
                 "args": {k: str(v) for k, v in vars(args).items()},

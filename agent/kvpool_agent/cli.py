@@ -15,6 +15,8 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "dev-cluster": "kvpool_operator.commands.devcluster",
     "size": "kvpool_agent.commands.size",
+    "replay": "kvpool_agent.commands.replay",
+    "plan": "kvpool_agent.commands.plan",
     "agent": "kvpool_agent.commands.agent",
     "crd": "kvpool_operator.commands.crd",
     "operator": "kvpool_operator.commands.operator",

@@ -26,7 +26,7 @@ MAX_PRIORITY = 100
 KvDtype = Literal["auto", "float16", "bfloat16", "fp8", "int8"]
 ModelDtype = Literal["float16", "bfloat16", "float32"]
 
-EVICTION_POLICIES: tuple[str, ...] = ("lru",)
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "reuse-gap")
 """Names ``KvCacheConfig.eviction_policy`` accepts (``kvpool_agent.cache.eviction`` has them)."""
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1, "int8": 1}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +21,7 @@ BLOCKS_TOTAL = "kvpool_cache_blocks_total"
 PRIMARY_TIER = "primary"
 
 SCRAPE_TIMEOUT = 2.0
+SCRAPE_WORKERS = 16
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,13 @@ Scraper = Callable[[ScrapeTarget], str]
 """Returns the Prometheus text exposition of one agent; raises OSError when unreachable."""
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Pod IPs are reached directly: an HTTP(S)_PROXY in the environment must not catch them."""
+
+
 def http_scraper(target: ScrapeTarget) -> str:
     """GET the metrics page over HTTP."""
-    with urllib.request.urlopen(target.url, timeout=SCRAPE_TIMEOUT) as resp:
+    with _DIRECT.open(target.url, timeout=SCRAPE_TIMEOUT) as resp:
         body: bytes = resp.read()
     return body.decode("utf-8", errors="replace")
 
@@ -84,13 +90,25 @@ def scrape_pool(
     targets: Iterable[ScrapeTarget], scraper: Scraper, at: float
 ) -> tuple[PoolSample, dict[str, str]]:
     """Scrape each target; returns the sample and, per unreachable pod, why."""
+
+    def one(target: ScrapeTarget) -> AgentSample | str:
+        try:
+            return parse_agent_metrics(scraper(target))
+        except (OSError, ValueError) as err:
+            return str(err) or type(err).__name__
+
+    todo = list(targets)
     agents: dict[str, AgentSample] = {}
     errors: dict[str, str] = {}
-    for target in targets:
-        try:
-            agents[target.pod] = parse_agent_metrics(scraper(target))
-        except (OSError, ValueError) as err:
-            errors[target.pod] = str(err) or type(err).__name__
+    if not todo:
+        return PoolSample(at=at, agents=agents), errors
+    # Concurrently: one slow or unreachable pod must not stretch the timer by its timeout each.
+    with ThreadPoolExecutor(max_workers=min(SCRAPE_WORKERS, len(todo))) as pool:
+        for target, result in zip(todo, pool.map(one, todo), strict=True):
+            if isinstance(result, AgentSample):
+                agents[target.pod] = result
+            else:
+                errors[target.pod] = result
     return PoolSample(at=at, agents=agents), errors
 
 

@@ -270,7 +270,7 @@ def _metrics_step(
         log.debug("scraping %s failed: %s", pod, why)
     obs = observe(runtime.previous_sample, sample)
     runtime.previous_sample = sample
-    if obs is not None:
+    if obs is not None and sample.agents:
         runtime.cache = CacheStatus(
             hit_rate=_round(obs.hit_rate),
             usage=_round(obs.usage),
@@ -280,10 +280,13 @@ def _metrics_step(
     auto = pool.spec.autoscaling
     if auto is None or auto.mode != "builtin":
         return replicas, None
-    decision = decide(runtime.scaler, obs, replicas, auto, now)
+    # The spec's own count, so one out of bounds (bounds were edited) is written back clamped.
+    current = pool.spec.replicas if pool.spec.replicas is not None else auto.min_replicas
+    decision = decide(runtime.scaler, obs, current, auto, now)
     runtime.scaler = decision.state
     if not decision.changed:
         return replicas, None
+    replicas = current
     ctx.api.scale_pool(pool.namespace, pool.name, decision.replicas)
     verb = "ScaledUp" if decision.replicas > replicas else "ScaledDown"
     report.event(

@@ -305,3 +305,34 @@ async def test_fuzzed_open_bodies_get_4xx_or_a_consistent_201(
     else:
         assert resp.json()["detail"]
         assert snapshot_state(service) == before
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    route=st.sampled_from(
+        ["/v1/sequences/{id}/tokens", "/v1/attention", "/v1/sequences/{id}/commit"]
+    ),
+    body=json_values,
+)
+async def test_fuzzed_bodies_on_other_routes_change_nothing_when_refused(
+    client: httpx.AsyncClient, service: AgentService, route: str, body: Any
+) -> None:
+    if not service.handles:
+        await open_seq(client, [1, 2, 3, 4, 5, 6])
+    sid = next(iter(service.handles))
+    before = snapshot_state(service)
+    resp = await client.post(route.replace("{id}", str(sid)), json=body)
+    assert resp.status_code < 500, resp.text
+    if resp.status_code >= 400:
+        assert resp.json()["detail"]
+        assert snapshot_state(service) == before
+
+
+async def test_cli_rejects_a_bad_config_with_exit_code_2(tmp_path: Any, capsys: Any) -> None:
+    from kvpool_agent.cli import main
+
+    bad = tmp_path / "agent.yaml"
+    bad.write_text("model: {num_layers: 0, num_kv_heads: 2, head_dim: 8}\nbogus: 1\n")
+    assert main(["agent", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "model.num_layers" in err and "bogus" in err

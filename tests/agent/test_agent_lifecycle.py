@@ -65,6 +65,7 @@ async def test_export_import_moves_blocks_and_their_kv(
         target.engine.release(h.seq_id)
     h = target.engine.open_sequence(prompts[0], cache_salt="s", recompute_last_token=False)
     assert h.num_reused_tokens == len(prompts[0])
+    assert result.namespaces == {("s", ())}
 
 
 async def test_hottest_blocks_go_first_and_ancestors_come_along(

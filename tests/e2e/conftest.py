@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from kvpool_operator.devcluster.build import ensure_built
 from kvpool_operator.devcluster.cluster import ClusterConfig, DevCluster, GpuNodeSpec
 from kvpool_operator.devcluster.podagents import CommandFactory, PodAgentHarness

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from kvpool_operator.devcluster.build import DEFAULT_VERSIONS
 from kvpool_operator.devcluster.cluster import GPU_RESOURCE, DevCluster
 from kvpool_operator.devcluster.podagents import PodAgentHarness, command_template
@@ -169,6 +170,29 @@ def test_deployment_pods_come_from_controller_manager(
         owner = pod["metadata"]["ownerReferences"][0]
         assert owner["kind"] == "ReplicaSet"
         assert pod["status"]["phase"] == "Running"
+
+
+def test_pod_ips_are_unique_across_nodes(dev_cluster: DevCluster, namespace: str) -> None:
+    # 6 one-GPU pods spread over both nodes; every agent needs an address of its own.
+    for i in range(6):
+        _apply(dev_cluster, namespace, _gpu_pod(f"p{i}", gpus=1, labels={"app": "spread"}))
+
+    def all_running() -> list[dict[str, Any]] | None:
+        pods = _get_json(dev_cluster, "pods", "-n", namespace, "-l", "app=spread")["items"]
+        ok = len(pods) == 6 and all(p["status"].get("phase") == "Running" for p in pods)
+        return pods if ok else None
+
+    pods = _wait_until("6 pods Running", all_running)
+    ips = [p["status"]["podIP"] for p in pods]
+    assert len(set(ips)) == 6, ips
+    node_cidrs = {
+        n["metadata"]["name"]: n["spec"]["podCIDR"]
+        for n in _get_json(dev_cluster, "nodes")["items"]
+    }
+    assert len(set(node_cidrs.values())) == len(node_cidrs)
+    for pod in pods:
+        cidr = ipaddress.ip_network(node_cidrs[pod["spec"]["nodeName"]])
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in cidr
 
 
 def test_server_side_dry_run_rejects_invalid_and_creates_nothing(

@@ -18,6 +18,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes import client
+
 from kvpool_operator.devcluster import certs
 from kvpool_operator.devcluster.build import (
     ALL_BINARIES,
@@ -113,8 +114,33 @@ def test_pod_cidr_is_loopback_and_validated(tmp_path: Path) -> None:
     cidr = ipaddress.ip_network(ClusterConfig(state_dir=tmp_path).resolved_pod_cidr())
     assert cidr.prefixlen == 16 and cidr.network_address.is_loopback
     assert ClusterConfig(tmp_path, pod_cidr="127.9.0.0/16").resolved_pod_cidr() == "127.9.0.0/16"
-    with pytest.raises(ClusterError, match="pod_cidr"):
-        ClusterConfig(tmp_path, pod_cidr="10.0.0.0/16").resolved_pod_cidr()
+    for bad in ("10.0.0.0/16", "127.9.0.0/24", "nonsense"):
+        with pytest.raises(ClusterError, match="pod_cidr"):
+            ClusterConfig(tmp_path, pod_cidr=bad).resolved_pod_cidr()
+
+
+def test_each_node_gets_its_own_pod_cidr() -> None:
+    state = ClusterState(
+        name="t",
+        state_dir="/nonexistent",
+        bin_dir="/nonexistent",
+        server="",
+        kubeconfig="",
+        pod_cidr="127.9.0.0/22",
+        ports={},
+        pids={},
+        started_at=0.0,
+    )
+    cidrs = []
+    for i in range(3):
+        cidr = state.next_node_cidr()
+        state.node_cidrs[f"n{i}"] = cidr
+        cidrs.append(cidr)
+    assert cidrs == ["127.9.1.0/24", "127.9.2.0/24", "127.9.3.0/24"]
+    with pytest.raises(ClusterError, match="no free /24"):
+        state.next_node_cidr()
+    node = GpuNodeSpec("n0").manifest(cidrs[0])
+    assert node["spec"] == {"podCIDR": "127.9.1.0/24", "podCIDRs": ["127.9.1.0/24"]}
 
 
 def test_staging_modules_are_parsed_from_go_mod() -> None:
@@ -186,6 +212,14 @@ def test_command_template_formats_fields_and_honours_selector() -> None:
     assert only_cache(pod) is None
 
 
+def _wait_exec(state: ClusterState, name: str) -> None:
+    """Popen returns before the child has exec'd the binary; wait until it has."""
+    deadline = time.monotonic() + 5
+    while not process_alive(state, name):
+        assert time.monotonic() < deadline, f"{name} never started"
+        time.sleep(0.01)
+
+
 def test_stop_processes_kills_group_and_skips_reused_pids(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -205,8 +239,55 @@ def test_stop_processes_kills_group_and_skips_reused_pids(tmp_path: Path) -> Non
         pids={"etcd": proc.pid, "kube-apiserver": os.getpid()},
         started_at=time.time(),
     )
-    assert process_alive(state, "etcd")
+    _wait_exec(state, "etcd")
     assert not process_alive(state, "kube-apiserver")
     assert stop_processes(state, grace_s=5) == ["etcd"]
     assert proc.wait(timeout=5) is not None
     assert not process_alive(state, "etcd")
+
+
+def _cli(argv: list[str]) -> int:
+    import argparse
+
+    from kvpool_operator.commands import devcluster
+
+    parser = argparse.ArgumentParser()
+    devcluster.add_arguments(parser)
+    return devcluster.run(parser.parse_args(argv))
+
+
+def test_cli_env_status_down_work_from_state_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    shutil.copy(sleep, bin_dir / "kwok")
+    proc = subprocess.Popen([str(bin_dir / "kwok"), "60"], start_new_session=True)
+    ClusterState(
+        name="t",
+        state_dir=str(tmp_path),
+        bin_dir=str(bin_dir),
+        server="https://127.0.0.1:1",
+        kubeconfig=str(tmp_path / "admin.kubeconfig"),
+        pod_cidr="127.9.0.0/16",
+        ports={},
+        pids={"kwok": proc.pid},
+        started_at=time.time(),
+    ).save()
+
+    _wait_exec(ClusterState.load(tmp_path), "kwok")
+    assert _cli(["env", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"export KUBECONFIG={tmp_path / 'admin.kubeconfig'}" in out
+    assert f"export PATH={bin_dir}:" in out
+
+    assert _cli(["status", "--dir", str(tmp_path)]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["components"] == {"kwok": {"pid": proc.pid, "running": True}}
+
+    assert _cli(["down", "--dir", str(tmp_path)]) == 0
+    assert proc.wait(timeout=5) is not None
+    assert _cli(["status", "--dir", str(tmp_path)]) == 3  # nothing runs any more
+    assert _cli(["env", "--dir", str(tmp_path / "missing")]) == 1

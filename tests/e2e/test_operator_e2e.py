@@ -7,6 +7,7 @@ collector. Fake agents started by the ``pod_agents`` harness serve metrics on th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -85,6 +86,10 @@ def get(cluster: DevCluster, namespace: str, what: str) -> dict[str, Any] | None
     return json.loads(result.stdout) if result.returncode == 0 else None
 
 
+def absent(cluster: DevCluster, namespace: str, what: str) -> bool:
+    return get(cluster, namespace, what) is None
+
+
 def wait_for(probe: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -100,6 +105,11 @@ def apply(cluster: DevCluster, namespace: str, doc: dict[str, Any], tmp_path: Pa
     path = tmp_path / f"pool-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(doc))
     cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+
+
+def pod_uids(cluster: DevCluster, namespace: str) -> set[str]:
+    raw = cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout
+    return {p["metadata"]["uid"] for p in json.loads(raw)["items"]}
 
 
 def condition(pool: dict[str, Any] | None, kind: str) -> str | None:
@@ -129,7 +139,7 @@ def test_pool_gets_owned_children_and_turns_ready(
     apply(crd, namespace, pool_manifest("demo"), tmp_path)
     pool = wait_for(lambda: get(crd, namespace, "kvp/demo"), "the pool")
     for child in CHILDREN:
-        obj = wait_for(lambda c=child: get(crd, namespace, c.format(n="demo")), child)
+        obj = wait_for(functools.partial(get, crd, namespace, child.format(n="demo")), child)
         owner = obj["metadata"]["ownerReferences"][0]
         assert owner["uid"] == pool["metadata"]["uid"] and owner["controller"] is True
     sts = get(crd, namespace, "statefulset/demo")
@@ -154,9 +164,12 @@ def test_pool_gets_owned_children_and_turns_ready(
 def test_live_edit_reloads_and_restart_edit_rolls(
     crd: DevCluster, namespace: str, operator: KopfRunner, tmp_path: Path
 ) -> None:
-    apply(crd, namespace, pool_manifest("roll"), tmp_path)
+    # minReadySeconds slows the roll down enough for the 2 s timer to see it in progress.
+    doc = pool_manifest("roll", rollout={"maxUnavailable": 1, "warmHandoffSeconds": 4})
+    apply(crd, namespace, doc, tmp_path)
     wait_for(lambda: condition(get(crd, namespace, "kvp/roll"), "Ready") == "True", "Ready")
     first_hash = template_hash(crd, namespace, "roll")
+    pods_before = pod_uids(crd, namespace)
 
     crd.kubectl(
         "patch",
@@ -177,6 +190,8 @@ def test_live_edit_reloads_and_restart_edit_rolls(
         "the live field in the ConfigMap",
     )
     assert template_hash(crd, namespace, "roll") == first_hash
+    time.sleep(3)
+    assert pod_uids(crd, namespace) == pods_before  # a live change restarts no pod
 
     crd.kubectl(
         "patch",
@@ -189,6 +204,10 @@ def test_live_edit_reloads_and_restart_edit_rolls(
     )
     wait_for(lambda: template_hash(crd, namespace, "roll") != first_hash, "a new config hash")
     new_hash = template_hash(crd, namespace, "roll")
+    wait_for(
+        lambda: condition(get(crd, namespace, "kvp/roll"), "Progressing") == "True",
+        "Progressing=True during the roll",
+    )
     done = wait_for(
         lambda: (
             (p := get(crd, namespace, "kvp/roll"))
@@ -200,6 +219,8 @@ def test_live_edit_reloads_and_restart_edit_rolls(
         timeout=120,
     )
     assert done["status"]["updatedReplicas"] == 2
+    assert condition(done, "Progressing") == "False"
+    assert not pod_uids(crd, namespace) & pods_before  # every pod was replaced
     reasons = {
         e["reason"]
         for e in json.loads(crd.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)[
@@ -214,18 +235,19 @@ def test_deleting_a_pool_collects_its_children(
 ) -> None:
     apply(crd, namespace, pool_manifest("gone"), tmp_path)
     for child in CHILDREN:
-        wait_for(lambda c=child: get(crd, namespace, c.format(n="gone")), child)
+        wait_for(functools.partial(get, crd, namespace, child.format(n="gone")), child)
     crd.kubectl("delete", "-n", namespace, "kvp/gone", "--wait=true", "--timeout=60s")
     for child in CHILDREN:
         wait_for(
-            lambda c=child: get(crd, namespace, c.format(n="gone")) is None,
+            functools.partial(absent, crd, namespace, child.format(n="gone")),
             f"{child} to be garbage-collected",
         )
 
 
 FAKE_AGENT = r"""
 import http.server, sys, threading
-ip, port = sys.argv[1], int(sys.argv[2])
+ip, port, profile = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+hit, capacity, used = (0.4, 0.5, 98) if profile == "hot" else (0.9, 0.0, 10)
 state = {"q": 0.0}
 lock = threading.Lock()
 class H(http.server.BaseHTTPRequestHandler):
@@ -237,9 +259,9 @@ class H(http.server.BaseHTTPRequestHandler):
             q = state["q"]
         body = (
             f"kvpool_prefix_cache_queries_tokens_total {q}\n"
-            f'kvpool_prefix_cache_hits_tokens_total{{tier="primary"}} {q * 0.4}\n'
-            f"kvpool_prefix_cache_capacity_misses_tokens_total {q * 0.5}\n"
-            f'kvpool_cache_blocks_used{{pool="p0",tier="primary"}} 98\n'
+            f'kvpool_prefix_cache_hits_tokens_total{{tier="primary"}} {q * hit}\n'
+            f"kvpool_prefix_cache_capacity_misses_tokens_total {q * capacity}\n"
+            f'kvpool_cache_blocks_used{{pool="p0",tier="primary"}} {used}\n'
             f'kvpool_cache_blocks_total{{pool="p0",tier="primary"}} 100\n'
         ).encode()
         self.send_response(200); self.end_headers(); self.wfile.write(body)
@@ -259,7 +281,7 @@ def test_builtin_autoscaler_scales_a_hot_pool(
     script = tmp_path / "fake_agent.py"
     script.write_text(FAKE_AGENT)
     pod_agents(
-        command_template([sys.executable, str(script), "{pod_ip}", "8000"]),
+        command_template([sys.executable, str(script), "{pod_ip}", "8000", "hot"]),
         namespace=namespace,
     )
     doc = pool_manifest(
@@ -273,11 +295,16 @@ def test_builtin_autoscaler_scales_a_hot_pool(
     del doc["spec"]["replicas"]
     apply(crd, namespace, doc, tmp_path)
     scaled = wait_for(
-        lambda: (p := get(crd, namespace, "kvp/hot")) and p["spec"].get("replicas") == 2 and p,
+        lambda: (
+            (p := get(crd, namespace, "kvp/hot"))
+            and p["spec"].get("replicas") == 2
+            and (p.get("status") or {}).get("lastScaleTime")
+            and p
+        ),
         "the autoscaler to scale to 2",
         timeout=120,
     )
-    assert scaled["status"].get("lastScaleTime")
+    assert scaled["status"]["cache"]["hitRate"] < 0.5
     wait_for(
         lambda: (get(crd, namespace, "statefulset/hot") or {}).get("spec", {}).get("replicas") == 2,
         "the StatefulSet to follow",
@@ -289,3 +316,114 @@ def test_builtin_autoscaler_scales_a_hot_pool(
         ]
     }
     assert "ScaledUp" in reasons
+
+
+def events(cluster: DevCluster, namespace: str) -> set[str]:
+    raw = cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout
+    return {e["reason"] for e in json.loads(raw)["items"]}
+
+
+def test_builtin_autoscaler_scales_an_idle_pool_down(
+    crd: DevCluster,
+    namespace: str,
+    operator: KopfRunner,
+    pod_agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """Agents report a mostly empty cache and no capacity misses: back to the floor."""
+    script = tmp_path / "fake_agent.py"
+    script.write_text(FAKE_AGENT)
+    pod_agents(
+        command_template([sys.executable, str(script), "{pod_ip}", "8000", "idle"]),
+        namespace=namespace,
+    )
+    doc = pool_manifest(
+        "idle",
+        autoscaling={"minReplicas": 1, "maxReplicas": 3, "scaleDownStabilizationSeconds": 4},
+    )
+    del doc["spec"]["replicas"]
+    apply(crd, namespace, doc, tmp_path)
+    wait_for(lambda: get(crd, namespace, "statefulset/idle"), "the StatefulSet")
+    crd.kubectl("scale", "-n", namespace, "kvp/idle", "--replicas=3")
+    wait_for(
+        lambda: (get(crd, namespace, "kvp/idle") or {}).get("spec", {}).get("replicas") == 1,
+        "the autoscaler to step down to the floor",
+        timeout=120,
+    )
+    assert "ScaledDown" in events(crd, namespace)
+
+
+def test_external_mode_leaves_replicas_to_scale(
+    crd: DevCluster, namespace: str, operator: KopfRunner, tmp_path: Path
+) -> None:
+    doc = pool_manifest("ext", replicas=1, autoscaling={"mode": "external", "maxReplicas": 5})
+    apply(crd, namespace, doc, tmp_path)
+    wait_for(lambda: get(crd, namespace, "statefulset/ext"), "the StatefulSet")
+    crd.kubectl("scale", "-n", namespace, "kvp/ext", "--replicas=3")  # what an HPA does
+    wait_for(
+        lambda: (get(crd, namespace, "statefulset/ext") or {}).get("spec", {}).get("replicas") == 3,
+        "the StatefulSet to follow /scale",
+    )
+    time.sleep(6)  # a few timer ticks: the operator must not move replicas itself
+    pool = get(crd, namespace, "kvp/ext")
+    assert pool is not None and pool["spec"]["replicas"] == 3
+    assert not {"ScaledUp", "ScaledDown"} & events(crd, namespace)
+
+
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "ServiceMonitor",
+            "plural": "servicemonitors",
+            "singular": "servicemonitor",
+            "listKind": "ServiceMonitorList",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def test_servicemonitor_waits_for_its_crd(
+    crd: DevCluster, namespace: str, operator: KopfRunner, tmp_path: Path
+) -> None:
+    served = crd.kubectl("get", "crd", "servicemonitors.monitoring.coreos.com", check=False)
+    if served.returncode != 0:  # first run in this cluster: check the warning path too
+        apply(crd, namespace, pool_manifest("mon", monitoring={"serviceMonitor": True}), tmp_path)
+        wait_for(lambda: "ServiceMonitorUnavailable" in events(crd, namespace), "a warning")
+        assert get(crd, namespace, "statefulset/mon") is not None
+        path = tmp_path / "sm-crd.yaml"
+        path.write_text(yaml.safe_dump(SERVICE_MONITOR_CRD))
+        crd.kubectl("apply", "-f", str(path))
+        crd.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "crd/servicemonitors.monitoring.coreos.com",
+            "--timeout=60s",
+        )
+    else:
+        apply(crd, namespace, pool_manifest("mon", monitoring={"serviceMonitor": True}), tmp_path)
+    monitor = wait_for(
+        lambda: get(crd, namespace, "servicemonitors.monitoring.coreos.com/mon"),
+        "the ServiceMonitor (created by the timer once its CRD exists)",
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    pool = get(crd, namespace, "kvp/mon")
+    assert pool is not None
+    assert monitor["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]

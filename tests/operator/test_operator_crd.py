@@ -56,8 +56,8 @@ def test_kvpool_crd_prints_the_crd(capsys: pytest.CaptureFixture[str]) -> None:
 def test_kvpool_operator_flags() -> None:
     from kvpool_agent.cli import build_parser
 
-    args = build_parser().parse_args(["operator", "-n", "a", "-n", "b", "--standalone"])
-    assert args.namespace == ["a", "b"] and args.standalone is True
+    args = build_parser().parse_args(["operator", "-n", "a", "-n", "b", "--priority", "100"])
+    assert args.namespace == ["a", "b"] and args.priority == 100 and args.standalone is False
 
 
 def test_names_scope_and_short_name() -> None:

@@ -347,3 +347,74 @@ async def test_apply_failure_is_retried_and_marks_degraded(
     conditions = {c["type"]: c for c in (await pool_after(kube, body))["status"]["conditions"]}
     assert conditions["Degraded"]["reason"] == "ApplyFailed"
     assert "ApplyFailed" in reasons(kube)
+
+
+@pytest.mark.asyncio
+async def test_unreachable_agents_leave_no_cache_figures(
+    kube: ApplyingEmulator, memo: kopf.Memo, clock: FakeClock, pool_body: dict[str, Any]
+) -> None:
+    kube.objects[kmock.resource("v1/pods"), "ns1", "demo-0"] = {
+        "metadata": {"name": "demo-0", "namespace": "ns1"},
+        "status": {"phase": "Running", "podIP": "127.0.0.9"},
+    }
+
+    def refuse(_target: ScrapeTarget) -> str:
+        raise ConnectionRefusedError("connection refused")
+
+    memo[handlers.CONTEXT_KEY].scraper = refuse
+    body = await store(kube, pool_body)
+    for _ in range(3):
+        await run(handlers.on_timer, memo, await pool_after(kube, body))
+        clock.now += 40
+    status = (await pool_after(kube, body))["status"]
+    assert "cache" not in status and status["observedGeneration"] == 1
+
+
+@pytest.mark.asyncio
+async def test_replicas_beyond_new_bounds_are_written_back_clamped(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    """maxReplicas lowered under an autoscaled pool: spec.replicas follows through /scale."""
+    pool_body["spec"]["replicas"] = 5
+    pool_body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3}
+    memo[handlers.CONTEXT_KEY].scraper = lambda _t: _metrics(0, 0, 0, 50)
+    body = await store(kube, pool_body)
+    await run(handlers.on_timer, memo, body)
+    scale = [r for r in kube.requests if r.url.path.endswith("/scale")]
+    assert [r.data for r in scale] == [{"spec": {"replicas": 3}}]
+    assert kube.object(STS, "ns1", "demo")["spec"]["replicas"] == 3
+    assert "ScaledDown" in reasons(kube)
+
+
+def test_kopf_bookkeeping_uses_the_kvpool_prefix() -> None:
+    settings = kopf.OperatorSettings()
+    handlers.configure_settings(settings)
+    assert settings.persistence.finalizer == "kvpool.io/finalizer"
+    progress = settings.persistence.progress_storage
+    diffbase = settings.persistence.diffbase_storage
+    assert isinstance(progress, kopf.AnnotationsProgressStorage)
+    assert progress.prefix == "kvpool.io"
+    assert isinstance(diffbase, kopf.AnnotationsDiffBaseStorage)
+    assert diffbase.prefix == "kvpool.io"
+
+
+@pytest.mark.asyncio
+async def test_delete_forgets_the_pools_memory(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    ctx = memo[handlers.CONTEXT_KEY]
+    assert "uid-1234" in ctx.runtimes
+    await run(handlers.on_delete, memo, body)
+    assert "uid-1234" not in ctx.runtimes
+
+
+@pytest.mark.asyncio
+async def test_a_pool_being_deleted_is_left_to_the_garbage_collector(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    pool_body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    body = await store(kube, pool_body)
+    await run(handlers.on_timer, memo, body)
+    assert kube.object(STS, "ns1", "demo") is None

@@ -31,7 +31,7 @@ def test_all_updated_and_ready_is_ready() -> None:
 
 
 def test_ready_old_pods_do_not_make_the_pool_ready() -> None:
-    raw = {
+    raw: dict[str, Any] = {
         "replicas": 3,
         "readyReplicas": 3,
         "updatedReplicas": 1,

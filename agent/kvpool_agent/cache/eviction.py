@@ -199,3 +199,6 @@ def effective_priority(block: Evictable, now: float) -> int:
     if expires is not None and now >= expires:
         return DEFAULT_PRIORITY
     return block.priority
+
+
+import kvpool_agent.cache.policies  # noqa: E402, F401  (registers the policies beyond LRU)

@@ -23,13 +23,19 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from kvpool_agent.config import load_agent_config
+
+    config = load_agent_config(args.config)  # a bad file fails fast, before torch is imported
+
     from kvpool_agent.server.reload import apply_overrides
     from kvpool_agent.server.runner import endpoint_overrides, serve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = load_agent_config(args.config)
     overrides = endpoint_overrides(config, args.host, args.port)
     config = apply_overrides(config, overrides)
-    return asyncio.run(serve(config, args.config, overrides))
+    try:
+        import uvloop  # the faster event loop when installed (the agent extra has it)
+    except ImportError:
+        return asyncio.run(serve(config, args.config, overrides))
+    return uvloop.run(serve(config, args.config, overrides))

@@ -57,8 +57,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 422, 503)
 }
 
-Lifespan = Callable[[FastAPI], Any]
-
 
 def create_app(
     service: AgentService,

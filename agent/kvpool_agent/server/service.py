@@ -20,7 +20,13 @@ import torch
 
 from kvpool_agent.cache import KVCacheManager, KvCacheRetentionConfig, SequenceHandle
 from kvpool_agent.cache.manager import _namespace
-from kvpool_agent.config import AgentConfig, ConfigError, changed_fields, restart_fields
+from kvpool_agent.config import (
+    DEFAULT_PRIORITY,
+    AgentConfig,
+    ConfigError,
+    changed_fields,
+    restart_fields,
+)
 from kvpool_agent.server.attention import AttentionBatch, run_attention
 from kvpool_agent.server.events import EventPublisher, WireEncoder
 from kvpool_agent.server.snapshot import ImportResult, Namespace, export_snapshot, import_snapshot
@@ -108,7 +114,7 @@ class AgentService:
     def default_retention(self) -> KvCacheRetentionConfig | None:
         """The config's default policy as a request policy (None when it is the engine's)."""
         r = self.config.retention
-        if r.priority == 35 and r.duration_ms is None:
+        if r.priority == DEFAULT_PRIORITY and r.duration_ms is None:
             return None
         return KvCacheRetentionConfig.model_validate(
             {
@@ -297,7 +303,10 @@ class AgentService:
         )
 
     async def import_blocks(self, blob: bytes) -> ImportResult:
-        return await self.call(lambda: import_snapshot(self.engine, blob), heavy=True)
+        result = await self.call(lambda: import_snapshot(self.engine, blob), heavy=True)
+        for salt, extra in result.namespaces:
+            self.namespaces[_namespace(salt, extra)] = (salt, extra)
+        return result
 
     async def release_all(self) -> int:
         """Release every open sequence, dropping uncommitted KV (end of a drain)."""

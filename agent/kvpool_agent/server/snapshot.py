@@ -23,7 +23,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -56,6 +56,8 @@ class ImportResult:
     chains: int = 0
     blocks_written: int = 0
     skipped: int = 0
+    namespaces: set[Namespace] = field(default_factory=set)
+    """Salted namespaces imported (so that a later handoff can carry them on)."""
 
 
 def geometry(engine: KVCacheManager) -> dict[str, Any]:
@@ -97,13 +99,20 @@ def export_snapshot(
     max_blocks: int | None = None,
 ) -> bytes:
     """Encode the hottest blocks of ``engine``; roots whose salt is unknown are left out."""
-    known = [n for n in engine.iter_nodes() if _root(n).key in namespaces or _root(n).key == 0]
+    root_key: dict[int, int] = {}  # node id -> namespace (iter_nodes yields parents first)
+    known = []
+    for node in engine.iter_nodes():
+        parent = node.parent
+        assert parent is not None
+        key = parent.key if parent.parent is None else root_key[id(parent)]
+        root_key[id(node)] = key
+        if key == 0 or key in namespaces:
+            known.append(node)
     nodes = select_hottest(known, max_blocks)
     index = {id(n): i for i, n in enumerate(nodes)}
     records = []
     for node in nodes:
-        root_key = _root(node).key
-        salt, extra = namespaces.get(root_key, (None, ()))
+        salt, extra = namespaces.get(root_key[id(node)], (None, ()))
         frames: list[bytes | None] = []
         for pool in engine.plan.pools:
             block = node.blocks[pool.group]
@@ -161,6 +170,8 @@ def import_snapshot(engine: KVCacheManager, blob: bytes) -> ImportResult:
             try:
                 result.blocks_written += _import_chain(engine, chain)
                 result.chains += 1
+                if chain[0][0] is not None or chain[0][1]:
+                    result.namespaces.add((chain[0][0], tuple(chain[0][1])))
             except OutOfBlocksError:
                 break
             except (SnapshotError, PayloadError):
@@ -227,12 +238,6 @@ def _chain(records: list[list[Any]], i: int) -> list[list[Any]]:
         i = records[i][2]
     chain.reverse()
     return chain
-
-
-def _root(node: TreeNode) -> TreeNode:
-    while node.parent is not None:
-        node = node.parent
-    return node
 
 
 def _copy(value: Any) -> Any:

@@ -145,3 +145,14 @@ def _status(state_dir: Path) -> int:
     }
     print(json.dumps(report, indent=2))
     return 0 if state.pids and all(process_alive(state, n) for n in state.pids) else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvpool_operator.commands.devcluster``: the same command without the agent CLI."""
+    parser = argparse.ArgumentParser(prog="kvpool dev-cluster", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="name of the kopf peering object for leader election between replicas",
     )
     parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority: with several replicas, the highest one works, the rest wait",
+    )
+    parser.add_argument(
         "--liveness",
         default=None,
         help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz",
@@ -57,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     kopf.run(
         standalone=args.standalone,
         peering_name=args.peering,
+        priority=args.priority,
         namespaces=list(args.namespace),
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
+import itertools
 import json
 import os
 import random
@@ -53,8 +55,12 @@ class GpuNodeSpec:
     gpu_product: str = "NVIDIA-H100-80GB-HBM3"
     labels: Mapping[str, str] = field(default_factory=dict)
 
-    def manifest(self) -> dict[str, Any]:
-        """The Node object, status included: kwok keeps the capacity we create it with."""
+    def manifest(self, pod_cidr: str = "") -> dict[str, Any]:
+        """The Node object, status included: kwok keeps the capacity we create it with.
+
+        ``pod_cidr`` must differ per node: kwok hands out pod IPs per node from it, and
+        nodes without one would hand out the same addresses.
+        """
         capacity = {
             "cpu": self.cpu,
             "memory": self.memory,
@@ -79,6 +85,7 @@ class GpuNodeSpec:
                 "labels": labels,
                 "annotations": {KWOK_ANNOTATION: "fake"},
             },
+            "spec": {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]} if pod_cidr else {},
             "status": {"capacity": capacity, "allocatable": dict(capacity)},
         }
 
@@ -98,8 +105,14 @@ class ClusterConfig:
     def resolved_pod_cidr(self) -> str:
         """A random 127.N.0.0/16 unless given, so concurrent clusters get disjoint pod IPs."""
         if self.pod_cidr:
-            if not self.pod_cidr.startswith("127."):
-                raise ClusterError(f"pod_cidr {self.pod_cidr!r} must lie in 127.0.0.0/8")
+            try:
+                net = ipaddress.IPv4Network(self.pod_cidr)
+            except ValueError as err:
+                raise ClusterError(f"pod_cidr {self.pod_cidr!r}: {err}") from None
+            if not net.subnet_of(ipaddress.IPv4Network("127.0.0.0/8")) or net.prefixlen > 23:
+                raise ClusterError(
+                    f"pod_cidr {self.pod_cidr!r} must lie in 127.0.0.0/8 and hold at least two /24s"
+                )
             return self.pod_cidr
         return f"127.{random.randint(16, 250)}.0.0/16"
 
@@ -117,6 +130,17 @@ class ClusterState:
     ports: dict[str, int]
     pids: dict[str, int]
     started_at: float
+    node_cidrs: dict[str, str] = field(default_factory=dict)
+    """Node name -> its pod CIDR, a /24 of ``pod_cidr``."""
+
+    def next_node_cidr(self) -> str:
+        """The first /24 of ``pod_cidr`` that no node has yet (skipping x.x.0.0/24)."""
+        used = set(self.node_cidrs.values())
+        net = ipaddress.ip_network(self.pod_cidr)
+        for subnet in itertools.islice(net.subnets(new_prefix=24), 1, None):
+            if str(subnet) not in used:
+                return str(subnet)
+        raise ClusterError(f"pod CIDR {self.pod_cidr} has no free /24 left for another node")
 
     @classmethod
     def load(cls, state_dir: Path) -> ClusterState:
@@ -507,8 +531,12 @@ class DevCluster:
         """Create a fake GPU node that kwok manages."""
         from kubernetes import client
 
+        state = self._state()
+        cidr = state.next_node_cidr()
         with self.api_client() as api:
-            client.CoreV1Api(api).create_node(cast(Any, node.manifest()))
+            client.CoreV1Api(api).create_node(cast(Any, node.manifest(cidr)))
+        state.node_cidrs[node.name] = cidr
+        state.save()
 
     def wait_nodes_ready(self, names: Sequence[str], timeout: float | None = None) -> None:
         from kubernetes import client

@@ -1,0 +1,102 @@
+{{/* Names, labels and the operator's RBAC rules, shared by the templates. */}}
+
+{{- define "kvpool.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvpool.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "kvpool.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvpool.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvpool
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvpool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvpool.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpool.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "kvpool.clusterwide" -}}
+{{- if empty .Values.operator.watchNamespaces -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+Rules the operator needs in every namespace it serves (a ClusterRole when it serves all of
+them). Each rule names the code that needs it.
+*/}}
+{{- define "kvpool.namespacedRules" -}}
+# kopf watches pools and patches their finalizer/annotations; the operator writes status
+# and moves spec.replicas through /scale (built-in autoscaler).
+- apiGroups: ["kvpool.io"]
+  resources: ["kvcachepools"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["kvpool.io"]
+  resources: ["kvcachepools/status", "kvcachepools/scale"]
+  verbs: ["get", "patch"]
+# Children carry ownerReferences with blockOwnerDeletion, which clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin allow only with this.
+- apiGroups: ["kvpool.io"]
+  resources: ["kvcachepools/finalizers"]
+  verbs: ["update"]
+# Children: read, then server-side apply (create when absent, patch otherwise). Owner
+# references garbage-collect them, so the operator never deletes.
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
+{{- if .Values.rbac.serviceMonitors }}
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["servicemonitors"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
+# Agent pods: their IPs, to scrape /metrics for status and autoscaling.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list"]
+# Events about pools (the operator's and kopf's).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- if and .Values.operator.peering.enabled (not (include "kvpool.clusterwide" .)) }}
+# kopf peering, one KopfPeering per served namespace.
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["list", "watch"]
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  resourceNames: [{{ .Values.operator.peering.name | quote }}]
+  verbs: ["get", "patch"]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,42 @@
+"""Probes and start-up settings: readiness reasons, --host/--port overrides."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvpool_agent.server import AgentService, create_app
+from kvpool_agent.server.reload import apply_overrides
+from kvpool_agent.server.runner import endpoint_overrides
+
+from .conftest import small_config
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_readyz_says_why_it_is_not_ready() -> None:
+    svc = AgentService(small_config())
+    app = create_app(svc)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
+        assert (await c.get("/healthz")).status_code == 200
+        resp = await c.get("/readyz")
+        assert resp.status_code == 503 and "not serving" in resp.text
+        await svc.start()
+        assert (await c.get("/readyz")).text == "ready"
+        svc.draining = True
+        resp = await c.get("/readyz")
+        assert resp.status_code == 503 and "draining" in resp.text
+        metrics = (await c.get("/metrics")).text
+        assert "kvpool_agent_draining 1.0" in metrics and "kvpool_agent_ready 0.0" in metrics
+    await svc.stop()
+
+
+async def test_host_and_port_flags_override_the_file_and_the_event_hosts() -> None:
+    cfg = small_config(events={"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"})
+    overrides = endpoint_overrides(cfg, "127.0.0.5", 8001)
+    new = apply_overrides(cfg, overrides)
+    assert (new.server.host, new.server.port) == ("127.0.0.5", 8001)
+    assert new.events.endpoint == "tcp://127.0.0.5:5557"
+    assert new.events.replay_endpoint == "tcp://127.0.0.5:5558"
+    assert endpoint_overrides(cfg, None, None) == {}
+    assert small_config().server.port == 8000

@@ -1,0 +1,560 @@
+"""The Helm chart against the real API server of the dev cluster.
+
+``helm lint`` catches template and schema mistakes; the API server catches the rest: every
+manifest the chart renders goes through ``kubectl apply --dry-run=server`` (admission,
+schema and RBAC checks of a real kube-apiserver). Then the chart is installed, and the
+operator is run under the chart's own service account and Role, so a missing RBAC rule
+shows up as a pool whose children never appear.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvpool_operator.devcluster.cluster import DevCluster
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvpool"
+CHART_CRDS = CHART / "crds"
+SERVICE_MONITOR_CRD = REPO / "tests" / "chart" / "fixtures" / "servicemonitor-crd.yaml"
+PEERING_CRDS = ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
+WAIT = 90.0
+
+
+def write_values(tmp_path: Path, values: dict[str, Any]) -> Path:
+    path = tmp_path / f"values-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def release_name() -> str:
+    return f"kvp-{uuid.uuid4().hex[:6]}"
+
+
+def render(
+    cluster: DevCluster, tmp_path: Path, namespace: str, values: dict[str, Any]
+) -> list[dict[str, Any]]:
+    out = cluster.helm(
+        "template",
+        release_name(),
+        str(CHART),
+        "--namespace",
+        namespace,
+        "-f",
+        str(write_values(tmp_path, values)),
+    )
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def get_json(cluster: DevCluster, *args: str) -> dict[str, Any] | None:
+    out = cluster.kubectl("get", *args, "-o", "json", check=False)
+    if out.returncode != 0:
+        return None
+    loaded: dict[str, Any] = json.loads(out.stdout)
+    return loaded
+
+
+def exists(cluster: DevCluster, kind: str, name: str, namespace: str) -> Callable[[], bool]:
+    return lambda: get_json(cluster, kind, name, "-n", namespace) is not None
+
+
+def wait_established(cluster: DevCluster, *crds: str) -> None:
+    cluster.kubectl(
+        "wait", "--for=condition=Established", *(f"crd/{c}" for c in crds), "--timeout=60s"
+    )
+
+
+@pytest.fixture(scope="module")
+def crds(dev_cluster: DevCluster) -> Iterator[DevCluster]:
+    """The chart's CRDs and the ServiceMonitor stand-in, applied as the README says."""
+    dev_cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "-f", str(CHART_CRDS), "-f",
+        str(SERVICE_MONITOR_CRD),
+    )  # fmt: skip
+    wait_established(
+        dev_cluster,
+        "kvcachepools.kvpool.io",
+        *PEERING_CRDS,
+        "servicemonitors.monitoring.coreos.com",
+    )
+    yield dev_cluster
+    # Only this module uses these: leave the other e2e tests the cluster they expect.
+    dev_cluster.kubectl(
+        "delete", "crd", "servicemonitors.monitoring.coreos.com", *PEERING_CRDS,
+        "--ignore-not-found", "--wait=false", check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def other_namespace(dev_cluster: DevCluster) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    dev_cluster.kubectl("create", "namespace", name)
+    yield name
+    dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+# -- helm lint ----------------------------------------------------------------------------
+
+ALL_OPTIONS: dict[str, Any] = {
+    "operator": {
+        "watchNamespaces": ["team-a", "team-b"],
+        "peering": {"enabled": True, "name": "kvpool-team"},
+        "verbose": True,
+        "extraEnv": [{"name": "EXTRA", "value": "1"}],
+    },
+    "rbac": {"serviceMonitors": True},
+    "podDisruptionBudget": {"enabled": True, "minAvailable": 1},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "imagePullSecrets": [{"name": "registry"}],
+    "priorityClassName": "system-cluster-critical",
+}
+
+
+@pytest.mark.parametrize("values", [{}, ALL_OPTIONS], ids=["defaults", "all-options"])
+def test_helm_lint_is_clean(
+    dev_cluster: DevCluster, tmp_path: Path, values: dict[str, Any]
+) -> None:
+    out = dev_cluster.helm(
+        "lint", "--strict", str(CHART), "-f", str(write_values(tmp_path, values)), check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout
+
+
+# -- every rendered manifest through the real API server -----------------------------------
+
+
+def _namespaced_values(ns: str, other: str) -> dict[str, Any]:
+    values = json.loads(json.dumps(ALL_OPTIONS))
+    values["operator"]["watchNamespaces"] = [ns, other]
+    return values
+
+
+CASES: dict[str, tuple[Callable[[str, str], dict[str, Any]], dict[str, int]]] = {
+    "defaults": (
+        lambda ns, other: {},
+        {"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1},
+    ),
+    "namespaced-everything": (
+        _namespaced_values,
+        {
+            "ServiceAccount": 1,
+            "Role": 2,
+            "RoleBinding": 2,
+            "ClusterRole": 1,  # kopf scanning (CRDs, namespaces), read-only
+            "ClusterRoleBinding": 1,
+            "Deployment": 1,
+            "KopfPeering": 2,
+            "PodDisruptionBudget": 1,
+            "ServiceMonitor": 1,
+        },
+    ),
+    "clusterwide-peering-own-sa": (
+        lambda ns, other: {
+            "operator": {"peering": {"enabled": True}},
+            "serviceAccount": {"create": False, "name": "existing-sa"},
+            "rbac": {"kopfScanning": False},
+            "podDisruptionBudget": {"enabled": True, "maxUnavailable": "50%"},
+        },
+        {
+            "ClusterRole": 1,
+            "ClusterRoleBinding": 1,
+            "Deployment": 1,
+            "ClusterKopfPeering": 1,
+            "PodDisruptionBudget": 1,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rendered_manifests_pass_server_dry_run(
+    crds: DevCluster, namespace: str, other_namespace: str, tmp_path: Path, case: str
+) -> None:
+    make_values, expected_kinds = CASES[case]
+    docs = render(crds, tmp_path, namespace, make_values(namespace, other_namespace))
+    kinds: dict[str, int] = {}
+    for doc in docs:
+        kinds[doc["kind"]] = kinds.get(doc["kind"], 0) + 1
+    assert kinds == expected_kinds
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
+    for doc in docs:  # explicit namespaces: `helm template | kubectl apply` lands right too
+        assert ("namespace" in doc["metadata"]) == (doc["kind"] not in cluster_scoped), doc
+
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    out = crds.kubectl("apply", "--dry-run=server", "-f", str(path), check=False)
+    assert out.returncode == 0, out.stderr
+    accepted = [line for line in out.stdout.splitlines() if line.endswith("(server dry run)")]
+    assert len(accepted) == len(docs), out.stdout
+
+
+def test_operator_args_follow_values(crds: DevCluster, namespace: str, tmp_path: Path) -> None:
+    def args(values: dict[str, Any]) -> list[str]:
+        (deploy,) = [
+            d for d in render(crds, tmp_path, namespace, values) if d["kind"] == "Deployment"
+        ]
+        (container,) = deploy["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == ["kvpool"]
+        return list(container["args"])
+
+    default = args({})
+    assert default[0] == "operator"
+    assert {"--all-namespaces", "--standalone", "--timer-interval=10"} <= set(default)
+    assert "--liveness=http://0.0.0.0:8080/healthz" in default
+    scoped = args({"operator": {"watchNamespaces": ["a", "b"], "peering": {"enabled": True}}})
+    assert {"--namespace=a", "--namespace=b", "--peering=kvpool-operator"} <= set(scoped)
+    assert "--standalone" not in scoped and "--all-namespaces" not in scoped
+
+
+# -- values.schema.json through helm ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("operator.replicas", "two"),
+        ("operator.watchNamespaces", ["Not_A_Namespace"]),
+        ("image.pullPolicy", "Sometimes"),
+        ("serviceMonitor.interval", "30 seconds"),
+        ("rbac.create", "yes"),
+    ],
+)
+@pytest.mark.parametrize("command", ["template", "lint"])
+def test_schema_errors_name_the_field(
+    dev_cluster: DevCluster, tmp_path: Path, command: str, path: str, value: Any
+) -> None:
+    *parents, leaf = path.split(".")
+    values: dict[str, Any] = {leaf: value}
+    for step in reversed(parents):
+        values = {step: values}
+    out = dev_cluster.helm(
+        command, str(CHART), "-f", str(write_values(tmp_path, values)), check=False
+    )
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "schema" in text.lower(), text
+    assert path in text or "/" + path.replace(".", "/") in text, text
+
+
+def test_more_than_one_replica_is_refused_with_the_reason(
+    dev_cluster: DevCluster, tmp_path: Path
+) -> None:
+    values = write_values(tmp_path, {"operator": {"replicas": 2}})
+    out = dev_cluster.helm("template", str(CHART), "-f", str(values), check=False)
+    assert out.returncode != 0
+    assert "operator.replicas > 1" in out.stderr and "--priority" in out.stderr
+
+
+# -- install -------------------------------------------------------------------------------
+
+
+def can_i(cluster: DevCluster, sa: str, verb: str, resource: str, namespace: str) -> bool:
+    resource, _, sub = resource.partition("/")
+    extra = [f"--subresource={sub}"] if sub else []
+    out = cluster.kubectl(
+        "auth", "can-i", verb, resource, *extra, "-n", namespace, f"--as={sa}", check=False
+    )
+    return out.stdout.strip() == "yes"
+
+
+def test_install_creates_crds_rbac_and_deployment(
+    crds: DevCluster, namespace: str, tmp_path: Path
+) -> None:
+    cluster = crds
+    # Prove that `helm install` itself installs crds/: remove the peering CRDs first.
+    cluster.kubectl("delete", "crd", *PEERING_CRDS, "--wait=true", "--timeout=60s")
+    release = release_name()
+    values = write_values(tmp_path, {"operator": {"peering": {"enabled": True}}})
+    cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
+    try:
+        wait_established(cluster, "kvcachepools.kvpool.io", *PEERING_CRDS)
+        fullname = f"{release}-kvpool"
+        deploy = get_json(cluster, "deployment", fullname, "-n", namespace)
+        assert deploy is not None
+        pod = deploy["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == fullname
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        container = pod["containers"][0]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert "--peering=kvpool-operator" in container["args"]
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+        for kind in ("clusterrole", "clusterrolebinding"):
+            assert get_json(cluster, kind, fullname) is not None
+        assert get_json(cluster, "clusterkopfpeering", "kvpool-operator") is not None
+
+        sa = f"system:serviceaccount:{namespace}:{fullname}"
+        allowed = [
+            ("watch", "kvcachepools.kvpool.io"),
+            ("patch", "kvcachepools.kvpool.io/status"),
+            ("patch", "kvcachepools.kvpool.io/scale"),
+            ("patch", "statefulsets.apps"),
+            ("create", "poddisruptionbudgets.policy"),
+            ("list", "pods"),
+            ("create", "events"),
+            ("watch", "clusterkopfpeerings.kopf.dev"),
+        ]
+        denied = [
+            ("delete", "statefulsets.apps"),
+            ("get", "secrets"),
+            ("create", "pods"),
+            ("update", "kvcachepools.kvpool.io"),
+            ("delete", "kvcachepools.kvpool.io"),
+            ("create", "servicemonitors.monitoring.coreos.com"),  # rbac.serviceMonitors off
+        ]
+        for verb, resource in allowed:
+            assert can_i(cluster, sa, verb, resource, "anywhere"), (verb, resource)
+        for verb, resource in denied:
+            assert not can_i(cluster, sa, verb, resource, "anywhere"), (verb, resource)
+
+        # The documented upgrade path: CRDs by server-side apply, then helm upgrade.
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART_CRDS))
+        upgraded = write_values(
+            tmp_path, {"operator": {"peering": {"enabled": True}, "timerInterval": 5}}
+        )
+        cluster.helm("upgrade", release, str(CHART), "-n", namespace, "-f", str(upgraded))
+        deploy = get_json(cluster, "deployment", fullname, "-n", namespace)
+        assert deploy is not None
+        assert "--timer-interval=5" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    finally:
+        cluster.helm("uninstall", release, "-n", namespace, check=False)
+    assert get_json(cluster, "clusterrole", fullname) is None
+    # Helm leaves CRDs (and so every pool) alone on uninstall, as the README says.
+    assert get_json(cluster, "crd", "kvcachepools.kvpool.io") is not None
+
+
+# -- the operator under the chart's RBAC ---------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def service_account_user(
+    cluster: DevCluster, namespace: str, sa: str, credential: str, tmp_path: Path
+) -> dict[str, str]:
+    """Kubeconfig user entry that authenticates as the service account.
+
+    ``token``: a TokenRequest token, as in a pod. ``client-cert``: a certificate from the
+    cluster CA whose subject is the service account's user name and groups; RBAC sees the
+    same identity, without going through bearer-token handling.
+    """
+    if credential == "token":
+        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h")
+        return {"token": token.stdout.strip()}
+    pki = cluster.pki
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca_cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:serviceaccounts"),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"system:serviceaccounts:{namespace}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"system:serviceaccount:{namespace}:{sa}"),
+        ]
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "sa.crt", tmp_path / "sa.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return {"client-certificate": str(cert_file), "client-key": str(key_file)}
+
+
+def service_account_kubeconfig(
+    cluster: DevCluster, namespace: str, sa: str, credential: str, tmp_path: Path
+) -> Path:
+    """The admin kubeconfig's cluster entry with the service account as the user."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    cluster_entry = admin["clusters"][0]
+    user = service_account_user(cluster, namespace, sa, credential, tmp_path)
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster_entry],
+        "users": [{"name": sa, "user": user}],
+        "contexts": [{"name": sa, "context": {"cluster": cluster_entry["name"], "user": sa}}],
+        "current-context": sa,
+    }
+    path = tmp_path / "sa.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+@contextlib.contextmanager
+def operator_process(
+    kubeconfig: Path, namespace: str, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`kvpool operator` as the chart runs it (namespaced, standalone), as a child process."""
+    port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "kvpool_agent.cli", "operator",
+                f"--namespace={namespace}", "--standalone", "--timer-interval=2",
+                f"--liveness=http://127.0.0.1:{port}/healthz",
+            ],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}/healthz"
+
+            def healthy() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    with urllib.request.urlopen(url, timeout=1) as resp:
+                        return bool(resp.status == 200)
+                except OSError:
+                    return False
+
+            wait_until("the operator's liveness endpoint", healthy, timeout=60)
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def log_on_failure(log: Path) -> Iterator[None]:
+    """A failed wait says what the operator logged."""
+    try:
+        yield
+    except AssertionError as err:
+        raise AssertionError(
+            f"{err}\n--- operator log (tail) ---\n{log.read_text()[-6000:]}"
+        ) from err
+
+
+POOL: dict[str, Any] = {
+    "apiVersion": "kvpool.io/v1alpha1",
+    "kind": "KVCachePool",
+    "metadata": {"name": "rbac-pool"},
+    "spec": {
+        "replicas": 1,
+        "model": {"name": "tiny", "numLayers": 4, "numKvHeads": 2, "headDim": 64},
+        "kvCacheConfig": {"tokensPerBlock": 16},
+        "pod": {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+    },
+}
+
+
+TOKEN_BUG = (
+    "kvpool_operator.kube.KubeApi.connection_info reads api_key['authorization'], but the "
+    "kubernetes client stores kubeconfig and in-cluster tokens under 'BearerToken': kopf "
+    "then connects as system:anonymous. Remove this mark once the operator passes the token."
+)
+
+
+@pytest.mark.parametrize(
+    "credential",
+    ["client-cert", pytest.param("token", marks=pytest.mark.xfail(strict=True, reason=TOKEN_BUG))],
+)
+def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
+    crds: DevCluster, namespace: str, tmp_path: Path, credential: str
+) -> None:
+    cluster = crds
+    release = release_name()
+    values = write_values(tmp_path, {"operator": {"watchNamespaces": [namespace]}})
+    cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
+    fullname = f"{release}-kvpool"
+    log = tmp_path / "operator.log"
+    try:
+        kubeconfig = service_account_kubeconfig(cluster, namespace, fullname, credential, tmp_path)
+        # The service account sees nothing outside its namespace.
+        out = cluster.kubectl(
+            "--kubeconfig", str(kubeconfig), "get", "kvcachepools", "-A", check=False
+        )
+        assert out.returncode != 0 and "forbidden" in out.stderr.lower()
+
+        with operator_process(kubeconfig, namespace, log), log_on_failure(log):
+            pool_file = tmp_path / "pool.yaml"
+            pool_file.write_text(yaml.safe_dump(POOL))
+            cluster.kubectl("apply", "-n", namespace, "-f", str(pool_file))
+            name = POOL["metadata"]["name"]
+            children = [
+                ("configmap", f"{name}-agent-config"),
+                ("service", name),
+                ("statefulset", name),
+                ("poddisruptionbudget", name),
+            ]
+            for kind, child in children:
+                wait_until(f"{kind}/{child}", exists(cluster, kind, child, namespace))
+
+            def status_written() -> bool:
+                pool = get_json(cluster, "kvcachepool", name, "-n", namespace) or {}
+                status = pool.get("status") or {}
+                return bool(status.get("conditions")) and status.get("observedGeneration") == 1
+
+            wait_until("the pool's status", status_written)
+            events = cluster.kubectl(
+                "get", "events", "-n", namespace, "--field-selector",
+                f"involvedObject.name={name}", "-o", "json",
+            )  # fmt: skip
+            reasons = {e["reason"] for e in json.loads(events.stdout)["items"]}
+            assert "Created" in reasons, reasons
+        text = log.read_text()
+        assert "forbidden" not in text.lower() and " 403" not in text, text[-4000:]
+    finally:
+        cluster.kubectl(
+            "delete", "kvcachepool", "--all", "-n", namespace, "--wait=false", check=False
+        )
+        cluster.helm("uninstall", release, "-n", namespace, check=False)
