@@ -118,12 +118,23 @@ def copy_blocks(
         )
     src, dst = _raw(src), _raw(dst)
     if src.device == dst.device:
-        gathered = src.index_select(BLOCK_DIM, _index_on(s, src.device))
-        dst.index_copy_(BLOCK_DIM, _index_on(d, dst.device), gathered)
+        gathered = _gather(src, _index_on(s, src.device))
+        _scatter(dst, _index_on(d, dst.device), gathered)
     elif src.device.type == "cpu":
         _onboard(src, dst, s, d)
     else:
         _offload(src, dst, s, d)
+
+
+def _gather(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``pool[:, ids]`` by advanced indexing: ``index_select`` makes a strided pool view (the
+    engine's views of its tier arena) contiguous first, costing the whole arena per call."""
+    return pool[:, ids]
+
+
+def _scatter(pool: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
+    """``pool[:, ids] = values`` in place, strided views included."""
+    pool[:, ids] = values
 
 
 CHUNK_BYTES = 64 << 20
@@ -160,9 +171,9 @@ def _onboard(src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Ten
         shape = list(src.shape)
         shape[BLOCK_DIM] = s_chunk.numel()
         staging = torch.empty(shape, dtype=src.dtype, pin_memory=pin)
-        torch.index_select(src, BLOCK_DIM, s_chunk, out=staging)
+        staging.copy_(_gather(src, s_chunk))
         on_device = staging.to(dst.device, non_blocking=pin)
-        dst.index_copy_(BLOCK_DIM, _index_on(d_chunk, dst.device), on_device)
+        _scatter(dst, _index_on(d_chunk, dst.device), on_device)
 
 
 def _offload(src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
@@ -174,7 +185,7 @@ def _offload(src: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Ten
     stream = torch.cuda.current_stream(src.device)
     pending: tuple[torch.Tensor, torch.cuda.Event, torch.Tensor] | None = None
     for s_chunk, d_chunk in chunk_ids(s, d, _block_bytes(src)):
-        gathered = src.index_select(BLOCK_DIM, _index_on(s_chunk, src.device))
+        gathered = _gather(src, _index_on(s_chunk, src.device))
         staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
         staging.copy_(gathered, non_blocking=True)
         landed = torch.cuda.Event()
@@ -190,7 +201,7 @@ def _scatter_on_host(
     dst: torch.Tensor, staging: torch.Tensor, landed: torch.cuda.Event, ids: torch.Tensor
 ) -> None:
     landed.synchronize()
-    dst.index_copy_(BLOCK_DIM, ids, staging)
+    _scatter(dst, ids, staging)
 
 
 def copy_block_prefixes(
@@ -226,15 +237,15 @@ def copy_block_prefixes(
     pool = _raw(pool)
     dev = pool.device
     s_dev, d_dev, n_dev = (_index_on(t, dev) for t in (s, d, n))
-    src_blocks = pool.index_select(BLOCK_DIM, s_dev)
-    dst_blocks = pool.index_select(BLOCK_DIM, d_dev)
+    src_blocks = _gather(pool, s_dev)
+    dst_blocks = _gather(pool, d_dev)
     # mask[b, t] is True where token t of pair b comes from the source block.
     mask = torch.arange(page, device=dev)[None, :] < n_dev[:, None]
     shape = [1] * pool.dim()
     shape[BLOCK_DIM] = mask.shape[0]
     shape[token_dim] = page
     merged = torch.where(mask.view(shape), src_blocks, dst_blocks)
-    pool.index_copy_(BLOCK_DIM, d_dev, merged)
+    _scatter(pool, d_dev, merged)
 
 
 def copy_block_prefix(

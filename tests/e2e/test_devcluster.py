@@ -274,3 +274,41 @@ def test_pod_agents_run_a_process_on_the_pod_ip_while_the_pod_exists(
     assert not proc.running()
     assert _http_status(url) is None
     assert [p.pod.name for p in harness.finished()] == ["agent-0"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool_operator.commands.devcluster", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_cli_up_and_down_run_a_second_cluster_beside_the_first(
+    dev_cluster: DevCluster, tmp_path: Path
+) -> None:
+    from kvpool_operator.devcluster.cluster import ClusterState, process_alive
+
+    state_dir = tmp_path / "second"
+    up = _cli("up", "--dir", str(state_dir), "--gpu-nodes", "1", "--gpus-per-node", "2")
+    try:
+        assert up.returncode == 0, up.stderr
+        assert f"export KUBECONFIG={state_dir / 'admin.kubeconfig'}" in up.stdout
+        state = ClusterState.load(state_dir)
+        assert state.server != dev_cluster.server
+        assert all(process_alive(state, name) for name in state.pids)
+        second = DevCluster.attach(state_dir)
+        nodes = json.loads(second.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        assert [(n["metadata"]["name"], n["status"]["capacity"][GPU_RESOURCE]) for n in nodes] == [
+            ("gpu-node-0", "2")
+        ]
+        assert _cli("status", "--dir", str(state_dir)).returncode == 0
+    finally:
+        down = _cli("down", "--dir", str(state_dir))
+    assert down.returncode == 0, down.stderr
+    assert not any(process_alive(state, name) for name in state.pids)
+    assert _cli("status", "--dir", str(state_dir)).returncode == 3
+    # The session cluster is untouched.
+    assert "ok" in dev_cluster.kubectl("get", "--raw", "/readyz").stdout

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import ssl
@@ -286,7 +287,11 @@ class DevCluster:
         self.stop()
 
     def start(self) -> DevCluster:
-        """Generate certs, start all components, create the fake GPU nodes, wait for Ready."""
+        """Generate certs, start all components, create the fake GPU nodes, wait for Ready.
+
+        Call it from a long-lived thread when ``die_with_parent`` is set: the kernel kills
+        the components when the thread that started them exits.
+        """
         if not self.layout.is_built():
             raise ClusterError(
                 f"binaries missing in {self.layout.bin_dir}; run `kvpool dev-cluster build`"
@@ -295,6 +300,9 @@ class DevCluster:
             old = ClusterState.load(self.state_dir)
             if any(_pid_runs(p, str(Path(old.bin_dir) / n)) for n, p in old.pids.items()):
                 raise ClusterError(f"a cluster is already running from {self.state_dir}")
+        # Every start is a fresh cluster: old etcd data would hold nodes and certs that no
+        # longer match (e.g. after the previous run was killed).
+        shutil.rmtree(self.state_dir / "etcd", ignore_errors=True)
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         certs.generate_pki(self.pki, SERVICE_IP)
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
