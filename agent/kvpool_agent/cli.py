@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "dev-cluster": "kvpool_operator.commands.devcluster",
     "size": "kvpool_agent.commands.size",
     "replay": "kvpool_agent.commands.replay",
+    "drive": "kvpool_agent.commands.drive",
     "plan": "kvpool_agent.commands.plan",
     "agent": "kvpool_agent.commands.agent",
     "crd": "kvpool_operator.commands.crd",

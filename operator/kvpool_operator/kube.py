@@ -92,7 +92,9 @@ class KubeApi:
     def connection_info(self) -> kopf.ConnectionInfo:
         """The same credentials for kopf's own watch connections (one source of truth)."""
         conf = self.api_client.configuration
-        auth = conf.get_api_key_with_prefix("authorization") or ""
+        # The kubernetes client stores kubeconfig and in-cluster tokens as "BearerToken"
+        # ("authorization" in older releases); either way the value is "<scheme> <token>".
+        auth = conf.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
         scheme, _, token = auth.partition(" ")
         return kopf.ConnectionInfo(
             server=conf.host,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,30 @@ def test_chart_metadata_versions_match_project() -> None:
     pyproject = (REPO / "pyproject.toml").read_text()
     assert f'version = "{chart["appVersion"]}"' in pyproject
     assert chart["apiVersion"] == "v2"
+
+
+def run_sync(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(root / "hack" / "sync-chart-crd.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_sync_script_checks_and_refreshes(tmp_path: Path) -> None:
+    """On a copy of the layout: --check passes in sync, fails stale; a plain run fixes it."""
+    (tmp_path / "hack").mkdir()
+    shutil.copy(REPO / "hack" / "sync-chart-crd.sh", tmp_path / "hack")
+    (tmp_path / "crds").mkdir()
+    (tmp_path / "charts" / "kvpool" / "crds").mkdir(parents=True)
+    generated = crd_yaml()
+    (tmp_path / "crds" / "kvcachepools.yaml").write_text(generated)
+    chart_crd = tmp_path / "charts" / "kvpool" / "crds" / "kvcachepools.yaml"
+    chart_crd.write_text(generated.replace("kvp", "kvx"))
+
+    stale = run_sync(tmp_path, "--check")
+    assert stale.returncode == 1 and "charts/kvpool/crds/kvcachepools.yaml" in stale.stderr
+    assert run_sync(tmp_path).returncode == 0
+    assert chart_crd.read_text() == generated
+    assert run_sync(tmp_path, "--check").returncode == 0

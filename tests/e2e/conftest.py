@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_operator.devcluster.build import ensure_built
+from kvpool_operator.devcluster.build import BuildError, ensure_built
 from kvpool_operator.devcluster.cluster import ClusterConfig, DevCluster, GpuNodeSpec
 from kvpool_operator.devcluster.podagents import CommandFactory, PodAgentHarness
 
 GPU_NODES = (GpuNodeSpec("gpu-node-0", gpus=8), GpuNodeSpec("gpu-node-1", gpus=8))
+_BUILD_ERRORS: list[str] = []
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -29,13 +30,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     pytest-timeout's per-test limit.
     """
     if any(item.get_closest_marker("e2e") for item in session.items):
-        ensure_built()
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+        def log(msg: str) -> None:  # pytest captures stderr; progress goes to the terminal
+            if reporter is not None:
+                reporter.write_line(f"[dev-cluster build] {msg}")
+
+        try:
+            ensure_built(log=log)
+        except BuildError as err:  # reported by every e2e test, the rest of the run goes on
+            _BUILD_ERRORS.append(str(err))
 
 
 @pytest.fixture(scope="session")
 def dev_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
     """A running cluster; ``.kubeconfig`` is the admin kubeconfig, ``.kubectl()``/``.helm()``
     run the cached tools, ``.api_client()`` gives a kubernetes-client ApiClient."""
+    if _BUILD_ERRORS:
+        pytest.fail(f"building the dev-cluster binaries failed: {_BUILD_ERRORS[0]}")
     layout = ensure_built()
     state_dir = tmp_path_factory.mktemp("dev-cluster")
     config = ClusterConfig(state_dir=state_dir, gpu_nodes=GPU_NODES, die_with_parent=True)

@@ -473,6 +473,16 @@ def operator_process(
                 proc.wait()
 
 
+def unrefused(log: Path, check: Callable[[], bool]) -> Callable[[], bool]:
+    """``check``, failing at once (not at a timeout) when the API server refused the operator."""
+
+    def checked() -> bool:
+        assert "forbidden" not in log.read_text().lower(), "the operator was refused a request"
+        return check()
+
+    return checked
+
+
 @contextlib.contextmanager
 def log_on_failure(log: Path) -> Iterator[None]:
     """A failed wait says what the operator logged."""
@@ -537,14 +547,15 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
                 ("poddisruptionbudget", name),
             ]
             for kind, child in children:
-                wait_until(f"{kind}/{child}", exists(cluster, kind, child, namespace))
+                found = unrefused(log, exists(cluster, kind, child, namespace))
+                wait_until(f"{kind}/{child}", found)
 
             def status_written() -> bool:
                 pool = get_json(cluster, "kvcachepool", name, "-n", namespace) or {}
                 status = pool.get("status") or {}
                 return bool(status.get("conditions")) and status.get("observedGeneration") == 1
 
-            wait_until("the pool's status", status_written)
+            wait_until("the pool's status", unrefused(log, status_written))
             events = cluster.kubectl(
                 "get", "events", "-n", namespace, "--field-selector",
                 f"involvedObject.name={name}", "-o", "json",

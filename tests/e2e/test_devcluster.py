@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -269,11 +270,20 @@ def test_pod_agents_run_a_process_on_the_pod_ip_while_the_pod_exists(
     _wait_until("agent http server", lambda: _http_status(url) == 200, timeout=20)
     assert set(harness.processes()) == {f"{namespace}/agent-0"}
 
+    _apply(dev_cluster, namespace, _gpu_pod("agent-1", gpus=1, labels={"role": "agent"}))
+    other = harness.wait_for(f"{namespace}/agent-1", timeout=30)
+    assert other.pod.pod_ip != proc.pod.pod_ip
+
     dev_cluster.kubectl("delete", "pod", "-n", namespace, "agent-0", "--wait=true")
     harness.wait_gone(f"{namespace}/agent-0", timeout=30)
     assert not proc.running()
+    assert proc.popen.returncode == -signal.SIGTERM  # stopped gracefully, not killed
     assert _http_status(url) is None
     assert [p.pod.name for p in harness.finished()] == ["agent-0"]
+    assert other.running()
+
+    harness.stop()  # stopping the harness stops the remaining agents, gracefully too
+    assert other.popen.returncode == -signal.SIGTERM
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

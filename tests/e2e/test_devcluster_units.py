@@ -27,6 +27,7 @@ from kvpool_operator.devcluster.build import (
     ensure_built,
     k8s_ldflags,
     parse_staging_modules,
+    prune_go_caches,
 )
 from kvpool_operator.devcluster.cluster import (
     GPU_RESOURCE,
@@ -35,6 +36,7 @@ from kvpool_operator.devcluster.cluster import (
     ClusterError,
     ClusterState,
     GpuNodeSpec,
+    free_ports,
     process_alive,
     stop_processes,
 )
@@ -119,6 +121,16 @@ def test_pod_cidr_is_loopback_and_validated(tmp_path: Path) -> None:
             ClusterConfig(tmp_path, pod_cidr=bad).resolved_pod_cidr()
 
 
+def test_free_ports_are_distinct_and_bindable() -> None:
+    import socket
+
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
 def test_each_node_gets_its_own_pod_cidr() -> None:
     state = ClusterState(
         name="t",
@@ -178,6 +190,21 @@ def test_ensure_built_is_a_noop_once_stamped(
     assert ensure_built(root=tmp_path).bin_dir == layout.bin_dir
 
 
+def test_prune_go_caches_removes_read_only_module_cache_but_keeps_binaries(
+    tmp_path: Path,
+) -> None:
+    layout = BuildLayout(root=tmp_path)
+    module = layout.go_dir / "mod" / "example.com" / "m@v1.0.0"
+    module.mkdir(parents=True)
+    (module / "go.mod").write_text("module example.com/m\n")
+    module.chmod(0o555)  # Go writes its module cache read-only
+    layout.bin_dir.mkdir(parents=True)
+    layout.binary("etcd").write_text("bin")
+    prune_go_caches(layout)
+    assert not layout.go_dir.exists()
+    assert layout.binary("etcd").read_text() == "bin"
+
+
 def _v1pod(
     phase: str = "Running", ip: str | None = "127.20.0.5", deleting: bool = False
 ) -> client.V1Pod:
@@ -189,7 +216,18 @@ def _v1pod(
             labels={"role": "agent"},
             deletion_timestamp=dt.datetime(2026, 1, 1, tzinfo=dt.UTC) if deleting else None,
         ),
-        spec=client.V1PodSpec(containers=[], node_name="gpu-node-0"),
+        spec=client.V1PodSpec(
+            containers=[
+                client.V1Container(
+                    name="agent",
+                    ports=[
+                        client.V1ContainerPort(container_port=8080),
+                        client.V1ContainerPort(container_port=9090),
+                    ],
+                )
+            ],
+            node_name="gpu-node-0",
+        ),
         status=client.V1PodStatus(phase=phase, pod_ip=ip),
     )
 
@@ -198,6 +236,7 @@ def test_pod_info_only_for_running_loopback_pods() -> None:
     info = pod_info(_v1pod())
     assert info is not None
     assert (info.key, info.pod_ip, info.node_name) == ("ns/p", "127.20.0.5", "gpu-node-0")
+    assert info.ports == (8080, 9090)
     assert pod_info(_v1pod(phase="Pending")) is None
     assert pod_info(_v1pod(ip=None)) is None
     assert pod_info(_v1pod(ip="10.0.0.5")) is None
@@ -205,9 +244,13 @@ def test_pod_info_only_for_running_loopback_pods() -> None:
 
 
 def test_command_template_formats_fields_and_honours_selector() -> None:
-    pod = PodInfo("ns", "p", "u-1", "127.20.0.5", "gpu-node-0", labels={"role": "agent"})
-    factory = command_template(["agent", "--host", "{pod_ip}", "--name={namespace}/{name}"])
-    assert factory(pod) == ["agent", "--host", "127.20.0.5", "--name=ns/p"]
+    pod = PodInfo(
+        "ns", "p", "u-1", "127.20.0.5", "gpu-node-0", labels={"role": "agent"}, ports=(8080,)
+    )
+    factory = command_template(
+        ["agent", "--host", "{pod_ip}", "--port", "{port}", "--name={namespace}/{name}"]
+    )
+    assert factory(pod) == ["agent", "--host", "127.20.0.5", "--port", "8080", "--name=ns/p"]
     only_cache = command_template(["x"], selector=lambda p: p.labels.get("role") == "cache")
     assert only_cache(pod) is None
 

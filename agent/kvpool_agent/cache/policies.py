@@ -1,25 +1,30 @@
 """Eviction policies beyond plain LRU, for blocks of one priority level.
 
-``ReuseGapQueue`` ("reuse-gap") predicts when each evictable leaf will be used next and
-evicts the one predicted farthest away, an online stand-in for Belady's MIN:
+``ReuseGapQueue`` ("reuse-gap") estimates when each evictable leaf will be used next and
+evicts the one expected back last, an online stand-in for Belady's MIN:
 
 - A leaf is judged by its *chain*: the run of single-child blocks above it, up to the first
   block that branches (or the root). Every block of a chain is needed by the same future
   requests (a conversation's history, a document's body), so the chain's head carries the
-  statistics: the gap between its last two uses.
-- A chain with a known gap ``g`` last used at ``t`` is predicted back at ``t + g``; once it
-  is ``slack * g`` overdue it is presumed dead and goes before any live chain (finished
-  conversations, groups that went cold).
-- A chain seen once has no gap: it gets the mean first-reuse gap of all chains divided by
-  the share of chains ever reused. Where most first-seen blocks are never reused (unique
-  suffixes under a shared prompt) that sends them out first, which is admission control
-  without a separate filter; where they usually come back (multi-turn chat) they are kept.
+  statistics: ``g``, the gap between its last two uses.
+- A chain seen only once has no gap yet: it gets the mean first-reuse gap of all chains
+  divided by the share of chains ever reused. Where most first-seen chains never come back
+  (unique suffixes under a shared prompt) that puts them out first, which is admission
+  control without a separate filter; where they usually come back (multi-turn chat) it
+  keeps them.
+- With ``t`` the chain's last use and ``age = now - t``, the expected next use is
+  ``now + max(g - age, lam * g, c * age)``: periodic reuse (due at ``t + g``, so in a loop
+  larger than the cache the chain just used goes first), a reuse rate (rarely used chains
+  go first) and recency (the longer unused, the longer until the next use; a finished
+  conversation ages out). The largest estimate is the largest of the three terms' maxima,
+  so three heaps with static keys find the victim.
 - Statistics of a chain head outlive its eviction (a bounded history), so a block that
   comes back after being evicted resumes with its gap.
 
 The queue sees only ``push``, ``discard`` and ``pop``. A push whose block has a new
 ``last_used`` is a use; a push with an unchanged one is a block that became a leaf again
-after its child was evicted, and keeps its earlier prediction.
+after its child was evicted, and keeps its earlier estimate. Time is the engine's
+``last_used`` tick.
 """
 
 from __future__ import annotations
@@ -52,19 +57,21 @@ def _node(block: Evictable) -> ChainNode:
 
 
 class ReuseGapQueue(LevelQueue):
-    """Farthest predicted reuse first, dead chains before live ones (see module doc)."""
+    """Evict the leaf whose chain is expected back last (see the module doc)."""
 
-    slack = 2.0
-    """A chain overdue by this many of its gaps is presumed dead."""
-    gap_weight = 0.5
-    """Weight of the newest gap in a chain's running gap estimate."""
+    age_weight = 3.0
+    """``c``: how strongly time since the last use pushes the expected next use out."""
+    gap_weight = 1.0
+    """``lambda``: how strongly a long reuse gap pushes the expected next use out."""
     fresh_weight = 0.01
     """Weight of a new sample in the running mean of first-reuse gaps."""
     history_floor = 65_536
     """Chain heads remembered beyond the queued blocks before old ones are forgotten."""
 
     __slots__ = (
-        "_death",
+        "_by_due",
+        "_by_gap",
+        "_by_used",
         "_fresh_gap",
         "_gap",
         "_head_of",
@@ -72,17 +79,18 @@ class ReuseGapQueue(LevelQueue):
         "_live",
         "_new_heads",
         "_now",
-        "_pred",
+        "_predicted",
         "_reused_heads",
-        "_stamped",
     )
 
     def __init__(self) -> None:
-        self._pred: list[tuple[float, int, int, Evictable]] = []  # (-predicted use, ...)
-        self._death: list[tuple[float, int, int, Evictable]] = []  # (presumed dead at, ...)
+        # One heap per term of the estimate; entries are (key, stamp, block id, block).
+        self._by_due: list[tuple[float, int, int, Evictable]] = []  # -(t + g)
+        self._by_gap: list[tuple[float, int, int, Evictable]] = []  # -g
+        self._by_used: list[tuple[float, int, int, Evictable]] = []  # t
         self._live = 0
-        self._stamped: dict[int, tuple[float, float, int]] = {}
-        """Node key -> (predicted use, dead at, last_used the prediction was made at)."""
+        self._predicted: dict[int, tuple[float, int]] = {}
+        """Node key -> (gap estimate, last_used it was made at)."""
         self._head_of: dict[int, ChainNode] = {}
         self._last_seen: dict[int, int] = {}
         """Chain head key -> its last_used when last observed."""
@@ -99,49 +107,62 @@ class ReuseGapQueue(LevelQueue):
         used = node.last_used
         if used > self._now:
             self._now = used
-        known = self._stamped.get(node.key)
-        if known is not None and known[2] == used:
-            predicted, dead_at = known[0], known[1]
+        known = self._predicted.get(node.key)
+        if known is not None and known[1] == used:
+            gap = known[0]
         else:
-            predicted, dead_at = self._predict(node, used)
-            self._stamped[node.key] = (predicted, dead_at, used)
+            gap = self._estimate_gap(node)
+            self._predicted[node.key] = (gap, used)
         stamp = block.queue_stamp
-        heapq.heappush(self._pred, (-predicted, stamp, block.block_id, block))
-        heapq.heappush(self._death, (dead_at, stamp, block.block_id, block))
+        bid = block.block_id
+        heapq.heappush(self._by_due, (-(used + gap), stamp, bid, block))
+        heapq.heappush(self._by_gap, (-gap, stamp, bid, block))
+        heapq.heappush(self._by_used, (float(used), stamp, bid, block))
         self._live += 1
 
     def discard(self, block: Evictable) -> None:
         self._live -= 1
-        if len(self._pred) > 64 and len(self._pred) > 2 * self._live:
-            self._pred = [e for e in self._pred if _current(e) and e[3] is not block]
-            self._death = [e for e in self._death if _current(e) and e[3] is not block]
-            heapq.heapify(self._pred)
-            heapq.heapify(self._death)
+        if len(self._by_used) > 64 and len(self._by_used) > 2 * self._live:
+            for heap in (self._by_due, self._by_gap, self._by_used):
+                heap[:] = [e for e in heap if _current(e) and e[3] is not block]
+                heapq.heapify(heap)
 
     def pop(self) -> Evictable | None:
-        death = self._death
-        while death:
-            entry = death[0]
-            if not _current(entry):
-                heapq.heappop(death)
+        """The block with the latest expected next use: the largest of the three terms'
+        maxima, since the estimate of each block is the largest of its three terms."""
+        now = self._now
+        best: list[tuple[float, int, int, Evictable]] | None = None
+        best_value = 0.0
+        for heap in (self._by_due, self._by_gap, self._by_used):
+            while heap and not _current(heap[0]):
+                heapq.heappop(heap)
+            if not heap:
                 continue
-            if entry[0] < self._now:
-                heapq.heappop(death)
-                return self._taken(entry[3])
-            break
-        pred = self._pred
-        while pred:
-            entry = heapq.heappop(pred)
-            if _current(entry):
-                return self._taken(entry[3])
-        return None
+            key = heap[0][0]
+            if heap is self._by_due:
+                value = -key - now
+            elif heap is self._by_gap:
+                value = self.gap_weight * -key
+            else:
+                value = self.age_weight * (now - key)
+            if best is None or value > best_value:
+                best, best_value = heap, value
+        if best is None:
+            return None
+        block = heapq.heappop(best)[3]
+        self._live -= 1
+        key = _node(block).key
+        self._predicted.pop(key, None)
+        self._head_of.pop(key, None)
+        return block
 
     def __len__(self) -> int:
         return self._live
 
-    # -- prediction
+    # -- estimates
 
-    def _predict(self, node: ChainNode, used: int) -> tuple[float, float]:
+    def _estimate_gap(self, node: ChainNode) -> float:
+        """The reuse gap of ``node``'s chain: its last one, or the fresh-chain estimate."""
         head = self._head(node)
         key = head.key
         head_used = head.last_used
@@ -150,25 +171,21 @@ class ReuseGapQueue(LevelQueue):
             self._new_heads += 1
         elif head_used > previous:
             sample = float(head_used - previous)
-            gap = self._gap.get(key)
-            if gap is None:
+            if key not in self._gap:
                 self._reused_heads += 1
                 fresh = self._fresh_gap
-                self._fresh_gap = sample if fresh == 0.0 else fresh + self.fresh_weight * (
-                    sample - fresh
+                self._fresh_gap = (
+                    sample if fresh == 0.0 else fresh + self.fresh_weight * (sample - fresh)
                 )
-                self._gap[key] = sample
-            else:
-                self._gap[key] = gap + self.gap_weight * (sample - gap)
+            self._gap[key] = sample
         self._last_seen[key] = head_used
-        if len(self._last_seen) > self.history_floor + 4 * len(self._stamped):
+        if len(self._last_seen) > self.history_floor + 4 * len(self._predicted):
             self._forget()
         gap = self._gap.get(key)
-        if gap is None:
-            fresh = self._fresh_gap or 1.0
-            reuse_share = self._reused_heads / self._new_heads
-            return used + fresh / max(reuse_share, 1e-3), used + self.slack * fresh
-        return used + gap, used + self.slack * gap
+        if gap is not None:
+            return gap
+        reuse_share = self._reused_heads / self._new_heads
+        return (self._fresh_gap or 1.0) / max(reuse_share, 1e-3)
 
     def _head(self, node: ChainNode) -> ChainNode:
         """The top of the single-child chain ``node`` hangs from (cached per queued leaf)."""
@@ -186,20 +203,13 @@ class ReuseGapQueue(LevelQueue):
         head_of[node.key] = cur
         return cur
 
-    def _taken(self, block: Evictable) -> Evictable:
-        self._live -= 1
-        key = _node(block).key
-        self._stamped.pop(key, None)
-        self._head_of.pop(key, None)
-        return block
-
     def _forget(self) -> None:
         """Drop the older half of the chain history (and stale chain-head shortcuts)."""
         seen = sorted(self._last_seen.items(), key=lambda kv: kv[1])
         for key, _ in seen[: len(seen) // 2]:
             del self._last_seen[key]
             self._gap.pop(key, None)
-        self._head_of = {k: v for k, v in self._head_of.items() if k in self._stamped}
+        self._head_of = {k: v for k, v in self._head_of.items() if k in self._predicted}
 
 
 def _current(entry: tuple[float, int, int, Evictable]) -> bool:

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     if target > 1.0:
         target /= 100.0
     if not 0.0 < target <= 1.0:
-        raise ConfigError(f"--target-hit-rate must be in (0, 1] or (0, 100], got {args.target_hit_rate}")
+        raise ConfigError(
+            f"--target-hit-rate must be in (0, 1] or (0, 100], got {args.target_hit_rate}"
+        )
     if args.tolerance < 0:
         raise ConfigError(f"--tolerance must be non-negative, got {args.tolerance}")
     policy = args.policy or KvCacheConfig().eviction_policy

@@ -51,9 +51,7 @@ def sweep(
         for f, cap in capacities:
             progress = progress_for(policy, f) if progress_for is not None else None
             result = replay(trace, cap, policy, progress=progress)
-            points.append(
-                SweepPoint(policy, f, cap, result.block_hit_rate, result.token_hit_rate)
-            )
+            points.append(SweepPoint(policy, f, cap, result.block_hit_rate, result.token_hit_rate))
     return points
 
 

@@ -157,11 +157,15 @@ class ClusterState:
         tmp.replace(path)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel considers free right now (bind to 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the kernel considers free now (all held while picking)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def set_parent_death_signal() -> None:
@@ -306,7 +310,7 @@ class DevCluster:
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         certs.generate_pki(self.pki, SERVICE_IP)
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
-        ports = {n: free_port() for n in names}
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
         server = f"https://127.0.0.1:{ports['apiserver']}"
         for who in certs.CLIENTS:
             certs.write_kubeconfig(

@@ -35,6 +35,8 @@ class PodInfo:
     node_name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
+    ports: tuple[int, ...] = ()
+    """The pod's declared container ports, in spec order."""
 
     @property
     def key(self) -> str:
@@ -47,6 +49,7 @@ class PodInfo:
             "namespace": self.namespace,
             "uid": self.uid,
             "node_name": self.node_name,
+            "port": str(self.ports[0]) if self.ports else "",
         }
 
 
@@ -57,8 +60,9 @@ CommandFactory = Callable[[PodInfo], Sequence[str] | None]
 def command_template(
     template: Sequence[str], selector: Callable[[PodInfo], bool] | None = None
 ) -> CommandFactory:
-    """A factory formatting each argument with ``{pod_ip}``, ``{name}``, ``{namespace}``,
-    ``{uid}`` and ``{node_name}``; ``selector`` limits it to some pods."""
+    """A factory formatting each argument with ``{pod_ip}``, ``{port}`` (the first declared
+    container port), ``{name}``, ``{namespace}``, ``{uid}`` and ``{node_name}``;
+    ``selector`` limits it to some pods."""
 
     def factory(pod: PodInfo) -> Sequence[str] | None:
         if selector is not None and not selector(pod):
@@ -120,6 +124,11 @@ def pod_info(pod: Any) -> PodInfo | None:
         node_name=(pod.spec.node_name if pod.spec else "") or "",
         labels=dict(meta.labels or {}),
         annotations=dict(meta.annotations or {}),
+        ports=tuple(
+            port.container_port
+            for container in (pod.spec.containers if pod.spec else None) or []
+            for port in container.ports or []
+        ),
     )
 
 
@@ -187,7 +196,8 @@ class PodAgentHarness:
     # -- queries ----------------------------------------------------------------------------
 
     def processes(self) -> dict[str, AgentProcess]:
-        """Running processes keyed by ``namespace/name``."""
+        """The process of every current pod, keyed by ``namespace/name`` (one that exited on
+        its own stays here with ``running()`` False until its pod goes)."""
         with self._cond:
             return {p.pod.key: p for p in self._procs.values()}
 
@@ -265,6 +275,12 @@ class PodAgentHarness:
                     self.errors.append(f"pod watch: {err!r}")
                     self._stop.wait(1)
         finally:
+            # Terminate from this thread: its exit fires the children's parent-death SIGKILL,
+            # so doing it after the join would skip the graceful SIGTERM.
+            with self._cond:
+                for uid in list(self._procs):
+                    self._stop_uid(uid)
+                self._cond.notify_all()
             api_client.close()
 
     def _resync(self, pods: Sequence[Any]) -> None:

@@ -1,0 +1,692 @@
+"""The user's whole stack on the loopback dev cluster: chart, operator, agents, traces.
+
+Used by ``test_user_story.py``, ``bench/e2e_timings.py`` and ``hack/demo`` (``python
+tests/e2e/story_support.py serve ...`` runs the stack in the foreground until a signal).
+
+What a real cluster would do and the dev cluster does not, done here on loopback:
+
+- ``helm install`` the chart, then run ``kvpool operator`` as a local process under the
+  chart's ServiceAccount (a TokenRequest token, so the chart's RBAC is what it gets);
+- the kubelet's part for agent pods: kwok marks them Running with a 127.x IP, and
+  ``PodAgentHarness`` starts the container's command for each. ``LoopbackKubelet`` projects
+  the pod's ConfigMap volumes into a per-pod directory (kept in sync every second, as kubelet
+  does, so live config edits reach the running agent), rewrites the mount paths in the
+  command line, and runs the readiness probe kwok does not: a pod is Ready only while its
+  agent answers ``/readyz``;
+- cluster DNS for the pods' stable names: the operator lists the pool's pods as handoff peers
+  by their StatefulSet DNS names (``pool-0.pool.ns.svc``). ``PeerProxies`` gives each such
+  name a fixed 127.0.0.1 port that forwards to the pod's current IP, and the projected
+  config names that port, so a warm handoff reaches whichever pod holds the name now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpool_operator.devcluster.cluster import DevCluster, set_parent_death_signal
+from kvpool_operator.devcluster.podagents import PodAgentHarness, PodInfo
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvpool"
+EXAMPLES = REPO / "crds" / "examples"
+AGENT_SELECTOR = "app.kubernetes.io/name=kvpool-agent"
+TRACES_ENV = "KVPOOL_TRACES"
+STORY_TRACE = "gsp_default_bs16.jsonl"
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Loopback only: an HTTP(S)_PROXY in the environment must never catch these calls."""
+
+
+# -- traces ---------------------------------------------------------------------------------
+
+
+def traces_dir() -> Path:
+    """``$KVPOOL_TRACES``, else ``shared/traces`` next to the repository (CI's layout)."""
+    env = os.environ.get(TRACES_ENV)
+    candidates = [Path(env)] if env else []
+    candidates += [REPO.parent / "shared" / "traces", REPO / "shared" / "traces"]
+    for path in candidates:
+        if (path / STORY_TRACE).is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(
+        f"the workload traces are missing: no {STORY_TRACE} in {tried}; "
+        f"set {TRACES_ENV} to the directory holding them"
+    )
+
+
+def story_trace() -> Path:
+    return traces_dir() / STORY_TRACE
+
+
+# -- small helpers --------------------------------------------------------------------------
+
+
+def wait_until(what: str, probe: Callable[[], Any], timeout: float, every: float = 0.25) -> Any:
+    """Poll ``probe`` until it returns something truthy; AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with _DIRECT.open(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as err:
+        return int(err.code), err.read()
+
+
+def agent_ready(url: str) -> bool:
+    try:
+        return http_get(f"{url}/readyz", timeout=2.0)[0] == 200
+    except OSError:
+        return False
+
+
+def get_json(cluster: DevCluster, namespace: str | None, *what: str) -> dict[str, Any] | None:
+    ns = ["-n", namespace] if namespace else []
+    result = cluster.kubectl("get", *ns, *what, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return str(cond.get("status"))
+    return None
+
+
+def apply_doc(cluster: DevCluster, namespace: str, doc: dict[str, Any], workdir: Path) -> None:
+    path = workdir / f"apply-{uuid.uuid4().hex[:8]}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+
+
+# -- cluster DNS for the pods' stable names -------------------------------------------------
+
+
+class _Forwarder(http.server.BaseHTTPRequestHandler):
+    """Forwards one request to the pod that holds the proxy's name now."""
+
+    target: Callable[[], str | None]
+
+    def _forward(self) -> None:
+        base = type(self).target()
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else None
+        if base is None:
+            self.send_error(502, "no pod holds this name now")
+            return
+        req = urllib.request.Request(f"{base}{self.path}", data=body, method=self.command)
+        if self.headers.get("content-type"):
+            req.add_header("content-type", self.headers["content-type"])
+        try:
+            with _DIRECT.open(req, timeout=60) as resp:
+                status, data, ctype = resp.status, resp.read(), resp.headers.get("content-type")
+        except urllib.error.HTTPError as err:
+            status, data, ctype = err.code, err.read(), err.headers.get("content-type")
+        except OSError as err:
+            self.send_error(502, f"pod unreachable: {err}")
+            return
+        self.send_response(status)
+        if ctype:
+            self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _forward
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class PeerProxies:
+    """One loopback port per pod DNS name (``name.svc.ns.svc:port``), forwarding to the pod's
+    current IP (kept in ``pod_ips`` by ``LoopbackKubelet``)."""
+
+    def __init__(self) -> None:
+        self.pod_ips: dict[tuple[str, str], str] = {}
+        self._servers: dict[tuple[str, str, int], http.server.ThreadingHTTPServer] = {}
+        self._lock = threading.Lock()
+
+    def url_for(self, namespace: str, pod: str, port: int) -> str:
+        key = (namespace, pod, port)
+        with self._lock:
+            server = self._servers.get(key)
+            if server is None:
+
+                def target() -> str | None:
+                    ip = self.pod_ips.get((namespace, pod))
+                    return f"http://{ip}:{port}" if ip else None
+
+                handler = type("Forwarder", (_Forwarder,), {"target": staticmethod(target)})
+                server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+                server.daemon_threads = True
+                threading.Thread(target=server.serve_forever, daemon=True).start()
+                self._servers[key] = server
+            return f"http://127.0.0.1:{server.server_address[1]}"
+
+    def translate(self, url: str) -> str:
+        """``http://pod.svc.ns.svc[.cluster.local]:port`` -> this proxy's URL; others as-is."""
+        parts = urllib.parse.urlsplit(url)
+        labels = (parts.hostname or "").split(".")
+        if len(labels) >= 4 and labels[3] == "svc":
+            return self.url_for(labels[2], labels[0], parts.port or 80)
+        return url
+
+    def close(self) -> None:
+        with self._lock:
+            for server in self._servers.values():
+                server.shutdown()
+                server.server_close()
+            self._servers.clear()
+
+
+# -- the kubelet's part: ConfigMap volumes and the container command ------------------------
+
+
+@dataclass
+class _Mount:
+    config_map: str
+    local_dir: Path
+    items: dict[str, str] | None = None
+
+
+@dataclass
+class _PodFiles:
+    pod: PodInfo
+    mounts: list[_Mount] = field(default_factory=list)
+
+
+class LoopbackKubelet:
+    """A ``CommandFactory`` for ``PodAgentHarness`` that runs agent pods like a kubelet would.
+
+    For each pod it projects the ConfigMap volumes into ``workdir/pods/<ns>_<name>_<uid>``,
+    rewrites mount paths in the container's command line, runs ``kvpool`` as this Python's
+    module, and binds the pod IP (the pod's own network namespace in a real cluster).
+    ``sync()`` (every second from ``start()``) re-projects changed ConfigMaps and refreshes
+    the pod IPs behind ``PeerProxies``.
+    """
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        workdir: Path,
+        proxies: PeerProxies,
+        interval: float = 1.0,
+    ) -> None:
+        from kubernetes import client, config
+
+        self.namespace = namespace
+        self.workdir = workdir
+        self.proxies = proxies
+        self.interval = interval
+        self._api_client = config.new_client_from_config(config_file=str(kubeconfig))
+        self.core = client.CoreV1Api(self._api_client)
+        self._pods: dict[str, _PodFiles] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors: list[str] = []
+
+    def __call__(self, pod: PodInfo) -> Sequence[str] | None:
+        if pod.labels.get("app.kubernetes.io/name") != "kvpool-agent":
+            return None
+        spec: Any = self.core.read_namespaced_pod(pod.name, pod.namespace).spec
+        container = spec.containers[0]
+        root = self.workdir / "pods" / f"{pod.namespace}_{pod.name}_{pod.uid[:8]}"
+        volumes = {v.name: v for v in spec.volumes or []}
+        files = _PodFiles(pod)
+        rewrites: dict[str, str] = {}
+        for vm in container.volume_mounts or []:
+            local = root / vm.mount_path.lstrip("/")
+            local.mkdir(parents=True, exist_ok=True)
+            rewrites[vm.mount_path] = str(local)
+            volume = volumes.get(vm.name)
+            if volume is not None and volume.config_map is not None:
+                items = {i.key: i.path for i in volume.config_map.items or []} or None
+                files.mounts.append(_Mount(volume.config_map.name, local, items))
+        self.proxies.pod_ips[(pod.namespace, pod.name)] = pod.pod_ip
+        self._project(files, {})
+        with self._lock:
+            self._pods[pod.uid] = files
+        argv = [*(container.command or []), *(container.args or [])]
+        if argv and argv[0] == "kvpool":
+            argv = [sys.executable, "-m", "kvpool_agent.cli", *argv[1:]]
+        argv = [_rewrite(arg, rewrites) for arg in argv]
+        port = next((p.container_port for p in container.ports or [] if p.name == "http"), 8000)
+        return [*argv, "--host", pod.pod_ip, "--port", str(port)]
+
+    def _project(self, files: _PodFiles, cache: dict[str, dict[str, str] | None]) -> None:
+        for mount in files.mounts:
+            if mount.config_map not in cache:
+                try:
+                    cm: Any = self.core.read_namespaced_config_map(
+                        mount.config_map, files.pod.namespace
+                    )
+                    cache[mount.config_map] = dict(cm.data or {})
+                except Exception as err:  # a ConfigMap not there yet: like kubelet, retry
+                    self.errors.append(f"configmap {mount.config_map}: {err!r}")
+                    cache[mount.config_map] = None
+            data = cache[mount.config_map]
+            if data is None:
+                continue
+            for key, text in data.items():
+                name = (mount.items or {}).get(key, key) if mount.items else key
+                if mount.items is not None and key not in mount.items:
+                    continue
+                _write_if_changed(mount.local_dir / name, self._translate_peers(text))
+
+    def _translate_peers(self, text: str) -> str:
+        """Agent config files: handoff peers' DNS names -> their ``PeerProxies`` URLs."""
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        lifecycle = doc.get("lifecycle") if isinstance(doc, dict) else None
+        if not isinstance(lifecycle, dict) or not lifecycle.get("handoff_peers"):
+            return text
+        peers = lifecycle["handoff_peers"]
+        lifecycle["handoff_peers"] = [self.proxies.translate(str(p)) for p in peers]
+        return yaml.safe_dump(doc, sort_keys=False)
+
+    def sync(self) -> None:
+        """One kubelet-like pass: pod IPs behind the proxies, readiness, changed ConfigMaps."""
+        pods: Any = self.core.list_namespaced_pod(self.namespace, label_selector=AGENT_SELECTOR)
+        live = set()
+        for pod in pods.items:
+            if pod.status is not None and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
+                self.proxies.pod_ips[(self.namespace, pod.metadata.name)] = pod.status.pod_ip
+                live.add(pod.metadata.name)
+                if pod.status.phase == "Running":
+                    self._probe_readiness(pod)
+        for key in [k for k in self.proxies.pod_ips if k[0] == self.namespace]:
+            if key[1] not in live:
+                self.proxies.pod_ips.pop(key, None)
+        with self._lock:
+            tracked = {u: f for u, f in self._pods.items()}
+        uids = {pod.metadata.uid for pod in pods.items}
+        cache: dict[str, dict[str, str] | None] = {}
+        for uid, files in tracked.items():
+            if uid not in uids:
+                with self._lock:
+                    self._pods.pop(uid, None)
+                continue
+            self._project(files, cache)
+
+    def _probe_readiness(self, pod: Any) -> None:
+        """The readiness probe kwok does not run: the pod's Ready condition follows the
+        agent's ``/readyz`` (kwok sets Running and Ready once, then leaves the status alone),
+        so a rollout waits for agents that really serve."""
+        ready = agent_ready(f"http://{pod.status.pod_ip}:8000")
+        want = "True" if ready else "False"
+        conditions = [
+            {"type": c.type, "status": c.status, "lastTransitionTime": c.last_transition_time}
+            for c in pod.status.conditions or []
+        ]
+        current = {c["type"]: c["status"] for c in conditions}
+        if current.get("Ready") == want and current.get("ContainersReady") == want:
+            return
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        for cond in conditions:
+            if cond["type"] in ("Ready", "ContainersReady") and cond["status"] != want:
+                cond.update(status=want, lastTransitionTime=now)
+        for cond in conditions:
+            if isinstance(cond["lastTransitionTime"], datetime.datetime):
+                cond["lastTransitionTime"] = cond["lastTransitionTime"].strftime(
+                    "%Y-%m-%dT%H:%M:%SZ"
+                )
+        body = {"status": {"conditions": conditions}}
+        self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
+
+    def start(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(self.interval):
+                try:
+                    self.sync()
+                except Exception as err:  # keep syncing through transient API errors
+                    self.errors.append(f"sync: {err!r}")
+
+        self._thread = threading.Thread(target=loop, name="pod-mounts", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._api_client.close()
+
+
+def _rewrite(arg: str, rewrites: dict[str, str]) -> str:
+    for mount_path, local in sorted(rewrites.items(), key=lambda kv: -len(kv[0])):
+        if arg == mount_path or arg.startswith(mount_path.rstrip("/") + "/"):
+            return local + arg[len(mount_path.rstrip("/")) :]
+    return arg
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Atomic replace, so the agent's poll never reads half a file."""
+    if path.is_file() and path.read_text() == text:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# -- the chart and the operator under its service account -----------------------------------
+
+
+def helm_install(
+    cluster: DevCluster, release: str, namespace: str, watch: Sequence[str], timer_interval: float
+) -> str:
+    """``helm install`` the chart serving ``watch``; returns its ServiceAccount's name."""
+    values = {"operator": {"watchNamespaces": list(watch), "timerInterval": timer_interval}}
+    path = cluster.state_dir / f"values-{release}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    cluster.helm(
+        "install", release, str(CHART), "--namespace", namespace, "--create-namespace",
+        "-f", str(path), "--wait=false", timeout=180,
+    )  # fmt: skip
+    sas = get_json(
+        cluster, namespace, "serviceaccounts", "-l", f"app.kubernetes.io/instance={release}"
+    )
+    names = [sa["metadata"]["name"] for sa in (sas or {}).get("items", [])]
+    if len(names) != 1:
+        raise AssertionError(f"expected one ServiceAccount of release {release}, got {names}")
+    return names[0]
+
+
+def token_connects(kubeconfig: Path) -> bool:
+    """Whether the operator's own client passes a kubeconfig token on to kopf's watches."""
+    code = (
+        "import sys; from kvpool_operator.kube import KubeApi; "
+        "sys.exit(0 if KubeApi.from_environment().connection_info().token else 1)"
+    )
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    return subprocess.run([sys.executable, "-c", code], env=env, check=False).returncode == 0
+
+
+def service_account_kubeconfig(
+    cluster: DevCluster, namespace: str, sa: str, path: Path, credential: str = "token"
+) -> Path:
+    """The admin kubeconfig's cluster entry with the ServiceAccount as the user.
+
+    ``token``: ``kubectl create token`` (a TokenRequest token, as a pod gets).
+    ``client-cert``: a cluster-CA certificate for the same user name and groups, for an
+    operator build that does not pass tokens to kopf (see ``token_connects``).
+    """
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    entry = admin["clusters"][0]
+    if credential == "token":
+        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=2h")
+        user: dict[str, str] = {"token": token.stdout.strip()}
+    else:
+        user = _service_account_cert(cluster, namespace, sa, path.parent)
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [entry],
+        "users": [{"name": sa, "user": user}],
+        "contexts": [{"name": sa, "context": {"cluster": entry["name"], "user": sa}}],
+        "current-context": sa,
+    }
+    path.write_text(yaml.safe_dump(doc))
+    path.chmod(0o600)
+    return path
+
+
+def _service_account_cert(
+    cluster: DevCluster, namespace: str, sa: str, directory: Path
+) -> dict[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key = serialization.load_pem_private_key(cluster.pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca_cert = x509.load_pem_x509_certificate(cluster.pki.ca_cert.read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:serviceaccounts"),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"system:serviceaccounts:{namespace}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"system:serviceaccount:{namespace}:{sa}"),
+        ]
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=2))
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / f"{sa}.crt", directory / f"{sa}.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    key_file.chmod(0o600)
+    return {"client-certificate": str(cert_file), "client-key": str(key_file)}
+
+
+def start_operator(
+    kubeconfig: Path, namespaces: Sequence[str], timer_interval: float, log: Path
+) -> subprocess.Popen[bytes]:
+    """``kvpool operator`` as the chart runs it (namespaced, standalone), in its own group."""
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    argv = [
+        sys.executable, "-m", "kvpool_agent.cli", "operator", "--standalone",
+        f"--timer-interval={timer_interval}",
+        *(f"--namespace={ns}" for ns in namespaces),
+    ]  # fmt: skip
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=set_parent_death_signal,
+        )
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the process group, SIGKILL it after ``grace_s``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+@dataclass
+class Stack:
+    """helm install + operator (chart SA) + agents for pools in ``namespace``."""
+
+    cluster: DevCluster
+    namespace: str
+    workdir: Path
+    release: str = "kvpool"
+    release_namespace: str = "kvpool-system"
+    timer_interval: float = 2.0
+    credential: str = ""
+    """How the operator authenticated: ``token`` or ``client-cert`` (see token_connects)."""
+    operator: subprocess.Popen[bytes] | None = None
+    harness: PodAgentHarness | None = None
+    mounts: LoopbackKubelet | None = None
+    proxies: PeerProxies = field(default_factory=PeerProxies)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def operator_log(self) -> Path:
+        return self.workdir / "operator.log"
+
+    def start(self) -> Stack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        sa = helm_install(
+            self.cluster, self.release, self.release_namespace, [self.namespace],
+            self.timer_interval,
+        )  # fmt: skip
+        self.timings["helm_install_s"] = time.monotonic() - t0
+        kubeconfig = self.workdir / "operator.kubeconfig"
+        service_account_kubeconfig(self.cluster, self.release_namespace, sa, kubeconfig)
+        self.credential = "token"
+        if not token_connects(kubeconfig):
+            self.credential = "client-cert"
+            service_account_kubeconfig(
+                self.cluster, self.release_namespace, sa, kubeconfig, credential="client-cert"
+            )
+        self.operator = start_operator(
+            kubeconfig, [self.namespace], self.timer_interval, self.operator_log
+        )
+        self.mounts = LoopbackKubelet(
+            self.cluster.kubeconfig, self.namespace, self.workdir, self.proxies
+        )
+        self.mounts.start()
+        self.harness = PodAgentHarness(
+            self.cluster.kubeconfig,
+            self.mounts,
+            log_dir=self.workdir / "agents",
+            namespace=self.namespace,
+            label_selector=AGENT_SELECTOR,
+            grace_s=20.0,
+        )
+        self.harness.start()
+        self.timings["stack_start_s"] = time.monotonic() - t0
+        return self
+
+    def stop(self) -> None:
+        if self.operator is not None:
+            stop_process(self.operator)
+        if self.harness is not None:
+            self.harness.stop()
+        if self.mounts is not None:
+            self.mounts.stop()
+        self.proxies.close()
+        self.cluster.helm(
+            "uninstall", self.release, "--namespace", self.release_namespace, check=False
+        )
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def check_operator(self) -> None:
+        if self.operator is not None and self.operator.poll() is not None:
+            raise AssertionError(
+                f"the operator exited ({self.operator.returncode}):\n"
+                + self.operator_log.read_text()[-4000:]
+            )
+
+    # -- what tests ask ---------------------------------------------------------------------
+
+    def pool(self, name: str) -> dict[str, Any] | None:
+        return get_json(self.cluster, self.namespace, f"kvp/{name}")
+
+    def agent_urls(self, name: str) -> dict[str, str]:
+        """Pod name -> agent URL for the pool's pods with a running agent process."""
+        assert self.harness is not None
+        prefix = f"{self.namespace}/{name}-"
+        return {
+            key.split("/", 1)[1]: f"http://{proc.pod.pod_ip}:8000"
+            for key, proc in self.harness.processes().items()
+            if key.startswith(prefix) and proc.running()
+        }
+
+    def wait_agents_ready(self, name: str, replicas: int, timeout: float = 120) -> dict[str, str]:
+        """Until exactly ``replicas`` agents of the pool answer /readyz."""
+
+        def ready() -> dict[str, str] | None:
+            self.check_operator()
+            urls = self.agent_urls(name)
+            if len(urls) == replicas and all(agent_ready(u) for u in urls.values()):
+                return urls
+            return None
+
+        result: dict[str, str] = wait_until(
+            f"{replicas} ready agents of {name}", ready, timeout, every=0.5
+        )
+        return result
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the stack against a cluster started by ``kvpool dev-cluster up`` until a signal."""
+    cluster = DevCluster.attach(Path(args.cluster_dir))
+    stack = Stack(cluster, args.namespace, Path(args.workdir), timer_interval=args.timer_interval)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stack.start()
+    try:
+        print(
+            json.dumps({"ready": True, "credential": stack.credential, **stack.timings}),
+            flush=True,
+        )
+        while not stop.wait(1):
+            stack.check_operator()
+    finally:
+        stack.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run kvpool's local stack on a dev cluster.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="helm install, operator, agents; until SIGTERM")
+    p.add_argument("--cluster-dir", required=True, help="the dev cluster's state dir")
+    p.add_argument("--namespace", default="default", help="namespace of the pools")
+    p.add_argument("--workdir", required=True, help="logs, kubeconfig, per-pod files")
+    p.add_argument("--timer-interval", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
