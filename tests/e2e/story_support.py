@@ -41,8 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
+from kvpool_agent.drive import DriveResult
+from kvpool_agent.traces import Trace
 from kvpool_operator.devcluster.cluster import DevCluster, set_parent_death_signal
 from kvpool_operator.devcluster.podagents import PodAgentHarness, PodInfo
 
@@ -654,6 +657,116 @@ class Stack:
             f"{replicas} ready agents of {name}", ready, timeout, every=0.5
         )
         return result
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One driven request: when it finished, its blocks, its hit blocks, whether it failed."""
+
+    at: float
+    blocks: int
+    hits: int
+    failed: bool
+
+
+class Load:
+    """A steady load: the trace driven through a pool's ready agents, round after round, in a
+    thread. Agents are looked up again every ``chunk`` requests, as a router following the
+    pool's endpoints would, so scaling and rolling show up in where requests go."""
+
+    def __init__(self, stack: Stack, name: str, trace: Trace, chunk: int = 50) -> None:
+        self.stack, self.name, self.trace, self.chunk = stack, name, trace, chunk
+        self.ticks: list[Tick] = []
+        self.rounds: list[tuple[float, float, DriveResult]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> Load:
+        self._thread = threading.Thread(target=self._run, name="load", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+
+    def _urls(self) -> list[str]:
+        return [u for u in self.stack.agent_urls(self.name).values() if agent_ready(u)]
+
+    def _run(self) -> None:
+        from kvpool_agent.client import PoolClient
+        from kvpool_agent.drive import drive
+
+        try:
+            while not self._stop.is_set():
+                start = time.monotonic()
+                total = DriveResult(trace=self.trace.name)
+                for i in range(0, len(self.trace.requests), self.chunk):
+                    urls = self._urls()
+                    while not urls and not self._stop.wait(0.2):
+                        urls = self._urls()
+                    if self._stop.is_set():
+                        return
+                    part = Trace(
+                        self.trace.name,
+                        self.trace.block_size,
+                        self.trace.requests[i : i + self.chunk],
+                    )
+                    http = httpx.Client(timeout=30.0, trust_env=False)
+                    with PoolClient(urls, tokens_per_block=16, client=http) as client:
+                        result = drive(part, client, on_request=self._record())
+                    _accumulate(total, result)
+                self.rounds.append((start, time.monotonic(), total))
+        except BaseException as err:  # surfaced by the test through .error
+            self.error = err
+
+    def _record(self) -> Callable[[DriveResult], None]:
+        seen = [0, 0, 0]
+
+        def record(r: DriveResult) -> None:
+            blocks, hits, failed = r.query_blocks - seen[0], r.hit_blocks - seen[1], r.failed
+            self.ticks.append(Tick(time.monotonic(), blocks, hits, failed > seen[2]))
+            seen[:] = [r.query_blocks, r.hit_blocks, failed]
+
+        return record
+
+    def hit_rate(self, start: float, end: float) -> float | None:
+        """Block hit rate of the requests that finished in ``[start, end)``."""
+        blocks = hits = 0
+        for tick in list(self.ticks):
+            if start <= tick.at < end:
+                blocks, hits = blocks + tick.blocks, hits + tick.hits
+        return hits / blocks if blocks else None
+
+    def failures(self, start: float, end: float) -> int:
+        return sum(1 for t in list(self.ticks) if start <= t.at < end and t.failed)
+
+    def wait_rounds(self, count: int, timeout: float = 120) -> list[DriveResult]:
+        """Until ``count`` more rounds finished; returns them."""
+        have = len(self.rounds)
+        wait_until(
+            f"{count} load rounds", lambda: len(self.rounds) >= have + count or self.error, timeout
+        )
+        if self.error is not None:
+            raise AssertionError(f"the load failed: {self.error!r}")
+        return [r for _, _, r in self.rounds[have : have + count]]
+
+
+def _accumulate(total: DriveResult, part: DriveResult) -> None:
+    total.requests += part.requests
+    total.failed += part.failed
+    total.query_blocks += part.query_blocks
+    total.hit_blocks += part.hit_blocks
+    total.query_tokens += part.query_tokens
+    total.hit_tokens += part.hit_tokens
+    total.seconds += part.seconds
+    total.per_replica.update(part.per_replica)
+    total.errors.extend(part.errors)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -128,6 +127,7 @@ def other_namespace(dev_cluster: DevCluster) -> Iterator[str]:
 
 ALL_OPTIONS: dict[str, Any] = {
     "operator": {
+        "replicas": 2,
         "watchNamespaces": ["team-a", "team-b"],
         "peering": {"enabled": True, "name": "kvpool-team"},
         "verbose": True,
@@ -221,22 +221,41 @@ def test_rendered_manifests_pass_server_dry_run(
     assert len(accepted) == len(docs), out.stdout
 
 
-def test_operator_args_follow_values(crds: DevCluster, namespace: str, tmp_path: Path) -> None:
-    def args(values: dict[str, Any]) -> list[str]:
-        (deploy,) = [
-            d for d in render(crds, tmp_path, namespace, values) if d["kind"] == "Deployment"
-        ]
-        (container,) = deploy["spec"]["template"]["spec"]["containers"]
-        assert container["command"] == ["kvpool"]
-        return list(container["args"])
+def test_operator_command_follows_values(crds: DevCluster, namespace: str, tmp_path: Path) -> None:
+    def deployment(values: dict[str, Any]) -> dict[str, Any]:
+        docs = render(crds, tmp_path, namespace, values)
+        (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+        return deploy
 
-    default = args({})
-    assert default[0] == "operator"
-    assert {"--all-namespaces", "--standalone", "--timer-interval=10"} <= set(default)
-    assert "--liveness=http://0.0.0.0:8080/healthz" in default
-    scoped = args({"operator": {"watchNamespaces": ["a", "b"], "peering": {"enabled": True}}})
-    assert {"--namespace=a", "--namespace=b", "--peering=kvpool-operator"} <= set(scoped)
-    assert "--standalone" not in scoped and "--all-namespaces" not in scoped
+    def command(deploy: dict[str, Any]) -> list[str]:
+        (container,) = deploy["spec"]["template"]["spec"]["containers"]
+        return [*container["command"], *container["args"]]
+
+    default = deployment({})
+    argv = command(default)
+    assert argv[:2] == ["kvpool", "operator"]
+    assert {"--all-namespaces", "--standalone", "--timer-interval=10"} <= set(argv)
+    assert "--liveness=http://0.0.0.0:8080/healthz" in argv
+    assert default["spec"]["strategy"] == {"type": "Recreate"}
+
+    ha = deployment(
+        {"operator": {"replicas": 2, "watchNamespaces": ["a", "b"], "peering": {"enabled": True}}}
+    )
+    argv = command(ha)
+    assert argv[:2] == ["/bin/sh", "-c"] and "--priority=" in argv[2]
+    assert argv[3:5] == ["kvpool", "operator"]
+    assert {"--namespace=a", "--namespace=b", "--peering=kvpool-operator"} <= set(argv)
+    assert "--standalone" not in argv and "--all-namespaces" not in argv
+    assert ha["spec"]["replicas"] == 2
+    assert ha["spec"]["strategy"]["type"] == "RollingUpdate"
+    # The wrapper hands the arguments through untouched and adds a random priority per start.
+    echoed = [
+        subprocess.run([*argv[:3], "echo", "x y", "z"], capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
+    first, second = (e.stdout.split() for e in echoed)
+    assert first[:3] == ["x", "y", "z"] and first[3].startswith("--priority=")
+    assert int(first[3].split("=")[1]) != int(second[3].split("=")[1])
 
 
 # -- values.schema.json through helm ------------------------------------------------------
@@ -269,13 +288,13 @@ def test_schema_errors_name_the_field(
     assert path in text or "/" + path.replace(".", "/") in text, text
 
 
-def test_more_than_one_replica_is_refused_with_the_reason(
+def test_replicas_without_peering_are_refused_with_the_reason(
     dev_cluster: DevCluster, tmp_path: Path
 ) -> None:
     values = write_values(tmp_path, {"operator": {"replicas": 2}})
     out = dev_cluster.helm("template", str(CHART), "-f", str(values), check=False)
     assert out.returncode != 0
-    assert "operator.replicas > 1" in out.stderr and "--priority" in out.stderr
+    assert "operator.replicas > 1 needs operator.peering.enabled=true" in out.stderr
 
 
 # -- install -------------------------------------------------------------------------------
@@ -434,23 +453,29 @@ def service_account_kubeconfig(
     return path
 
 
+def deployed_command(cluster: DevCluster, name: str, namespace: str) -> list[str]:
+    """The operator container's command line, as the installed Deployment runs it."""
+    deploy = get_json(cluster, "deployment", name, "-n", namespace)
+    assert deploy is not None
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    return [*container["command"], *container["args"]]
+
+
 @contextlib.contextmanager
 def operator_process(
-    kubeconfig: Path, namespace: str, log: Path
+    argv: list[str], kubeconfig: Path, log: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`kvpool operator` as the chart runs it (namespaced, standalone), as a child process."""
+    """The chart's operator command line as a local child process (the kvpool console
+    script is on PATH here as in the image); only the liveness address changes, to a free
+    loopback port."""
     port = free_port()
+    liveness = f"--liveness=http://127.0.0.1:{port}/healthz"
+    argv = [liveness if a.startswith("--liveness=") else a for a in argv]
+    assert liveness in argv, argv
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "kvpool_agent.cli", "operator",
-                f"--namespace={namespace}", "--standalone", "--timer-interval=2",
-                f"--liveness=http://127.0.0.1:{port}/healthz",
-            ],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}/healthz"
 
@@ -465,12 +490,17 @@ def operator_process(
             wait_until("the operator's liveness endpoint", healthy, timeout=60)
             yield proc
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def unrefused(log: Path, check: Callable[[], bool]) -> Callable[[], bool]:
@@ -507,23 +537,19 @@ POOL: dict[str, Any] = {
 }
 
 
-TOKEN_BUG = (
-    "kvpool_operator.kube.KubeApi.connection_info reads api_key['authorization'], but the "
-    "kubernetes client stores kubeconfig and in-cluster tokens under 'BearerToken': kopf "
-    "then connects as system:anonymous. Remove this mark once the operator passes the token."
-)
-
-
-@pytest.mark.parametrize(
-    "credential",
-    ["client-cert", pytest.param("token", marks=pytest.mark.xfail(strict=True, reason=TOKEN_BUG))],
-)
+@pytest.mark.parametrize("credential", ["token", "client-cert"])
 def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
     crds: DevCluster, namespace: str, tmp_path: Path, credential: str
 ) -> None:
     cluster = crds
     release = release_name()
-    values = write_values(tmp_path, {"operator": {"watchNamespaces": [namespace]}})
+    values = write_values(
+        tmp_path,
+        {
+            "operator": {"watchNamespaces": [namespace], "timerInterval": 2},
+            "rbac": {"serviceMonitors": True},
+        },
+    )
     cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
     fullname = f"{release}-kvpool"
     log = tmp_path / "operator.log"
@@ -535,9 +561,14 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
         )
         assert out.returncode != 0 and "forbidden" in out.stderr.lower()
 
-        with operator_process(kubeconfig, namespace, log), log_on_failure(log):
+        argv = deployed_command(cluster, fullname, namespace)
+        assert argv[:2] == ["kvpool", "operator"] and f"--namespace={namespace}" in argv
+        with operator_process(argv, kubeconfig, log), log_on_failure(log):
+            # Every child kind, ServiceMonitor included (its stand-in CRD is installed).
+            pool = json.loads(json.dumps(POOL))
+            pool["spec"]["monitoring"] = {"serviceMonitor": True}
             pool_file = tmp_path / "pool.yaml"
-            pool_file.write_text(yaml.safe_dump(POOL))
+            pool_file.write_text(yaml.safe_dump(pool))
             cluster.kubectl("apply", "-n", namespace, "-f", str(pool_file))
             name = POOL["metadata"]["name"]
             children = [
@@ -545,6 +576,7 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
                 ("service", name),
                 ("statefulset", name),
                 ("poddisruptionbudget", name),
+                ("servicemonitor", name),
             ]
             for kind, child in children:
                 found = unrefused(log, exists(cluster, kind, child, namespace))
@@ -556,6 +588,9 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
                 return bool(status.get("conditions")) and status.get("observedGeneration") == 1
 
             wait_until("the pool's status", unrefused(log, status_written))
+            # A timer pass lists the agent pods (metrics) and writes status again.
+            timer_ran = unrefused(log, lambda: "Timer 'on_timer' succeeded" in log.read_text())
+            wait_until("a timer pass", timer_ran)
             events = cluster.kubectl(
                 "get", "events", "-n", namespace, "--field-selector",
                 f"involvedObject.name={name}", "-o", "json",
@@ -564,6 +599,96 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
             assert "Created" in reasons, reasons
         text = log.read_text()
         assert "forbidden" not in text.lower() and " 403" not in text, text[-4000:]
+    finally:
+        cluster.kubectl(
+            "delete", "kvcachepool", "--all", "-n", namespace, "--wait=false", check=False
+        )
+        cluster.helm("uninstall", release, "-n", namespace, check=False)
+
+
+def peering_state(log: Path) -> str | None:
+    """ "Resuming" or "Pausing": what kopf's peering last logged, None before either."""
+    text = log.read_text()
+    found = {word: text.rfind(f"{word} operations") for word in ("Resuming", "Pausing")}
+    latest = max(found, key=lambda w: found[w])
+    return latest if found[latest] >= 0 else None
+
+
+def peers(cluster: DevCluster, peering: str) -> dict[str, Any]:
+    obj = get_json(cluster, "clusterkopfpeering", peering) or {}
+    return {k: v for k, v in (obj.get("status") or {}).items() if v}
+
+
+def test_two_replicas_one_works_the_other_takes_over(
+    crds: DevCluster, namespace: str, tmp_path: Path
+) -> None:
+    """replicas: 2 with peering, both run as the Deployment runs them: one reconciles, the
+    other stays paused until the first stops, then takes over."""
+    cluster = crds
+    release = release_name()
+    peering = f"kvpool-{release}"
+    values = {
+        "operator": {
+            "replicas": 2,
+            "peering": {"enabled": True, "name": peering},
+            "timerInterval": 2,
+        },
+        "podDisruptionBudget": {"enabled": True},
+    }
+    cluster.helm(
+        "install", release, str(CHART), "-n", namespace, "-f", str(write_values(tmp_path, values))
+    )
+    fullname = f"{release}-kvpool"
+    logs = [tmp_path / "operator-0.log", tmp_path / "operator-1.log"]
+    try:
+        kubeconfig = service_account_kubeconfig(cluster, namespace, fullname, "token", tmp_path)
+        argv = deployed_command(cluster, fullname, namespace)
+        with contextlib.ExitStack() as stack:
+            procs = [stack.enter_context(operator_process(argv, kubeconfig, log)) for log in logs]
+            stack.enter_context(log_on_failure(logs[0]))
+            stack.enter_context(log_on_failure(logs[1]))
+            wait_until(
+                "both peers in the peering object", lambda: len(peers(cluster, peering)) == 2
+            )
+            priorities = sorted(p["priority"] for p in peers(cluster, peering).values())
+            assert priorities[0] != priorities[1]
+
+            def working() -> list[int]:
+                """Peers start paused (peering is mandatory) and log when they resume or
+                pause again; the working one's last word is "Resuming"."""
+                return [i for i, log in enumerate(logs) if peering_state(log) == "Resuming"]
+
+            wait_until("one operator to work", lambda: len(working()) == 1)
+            time.sleep(3)  # both peers have seen each other's keep-alive by now
+            (active,) = working()
+            standby = 1 - active
+
+            pool_file = tmp_path / "pool.yaml"
+            pool_file.write_text(yaml.safe_dump(POOL))
+            cluster.kubectl("apply", "-n", namespace, "-f", str(pool_file))
+            name = POOL["metadata"]["name"]
+            wait_until(
+                "the active operator's StatefulSet",
+                unrefused(logs[active], exists(cluster, "statefulset", name, namespace)),
+            )
+            assert "Created" in logs[active].read_text()
+            assert "Created" not in logs[standby].read_text()
+
+            # Failover: stop the active operator; the standby resumes and reconciles a change.
+            stop(procs[active])
+            wait_until("the standby to resume", lambda: peering_state(logs[standby]) == "Resuming")
+            cluster.kubectl(
+                "patch", "kvcachepool", name, "-n", namespace, "--type=merge",
+                "-p", json.dumps({"spec": {"replicas": 2}}),
+            )  # fmt: skip
+
+            def scaled() -> bool:
+                sts = get_json(cluster, "statefulset", name, "-n", namespace) or {}
+                return (sts.get("spec") or {}).get("replicas") == 2
+
+            wait_until("the standby to scale the StatefulSet", unrefused(logs[standby], scaled))
+        for log in logs:
+            assert "forbidden" not in log.read_text().lower()
     finally:
         cluster.kubectl(
             "delete", "kvcachepool", "--all", "-n", namespace, "--wait=false", check=False

@@ -12,12 +12,14 @@ evicts the one expected back last, an online stand-in for Belady's MIN:
   (unique suffixes under a shared prompt) that puts them out first, which is admission
   control without a separate filter; where they usually come back (multi-turn chat) it
   keeps them.
-- With ``t`` the chain's last use and ``age = now - t``, the expected next use is
-  ``now + max(g - age, lam * g, c * age)``: periodic reuse (due at ``t + g``, so in a loop
-  larger than the cache the chain just used goes first), a reuse rate (rarely used chains
-  go first) and recency (the longer unused, the longer until the next use; a finished
-  conversation ages out). The largest estimate is the largest of the three terms' maxima,
-  so three heaps with static keys find the victim.
+- With ``t`` the chain's last use, ``age = now - t`` and ``m`` its mean gap over its life,
+  the expected next use is ``now + max(g - age, k * (age - g), lam * m)``: periodic reuse
+  (due at ``t + g``, so in a loop larger than the cache the chain just used goes first and
+  the cache keeps a stable subset), lateness (a chain overdue by much more than its gap
+  is likely finished: a closed conversation ages out fast) and a reuse rate (rarely used
+  chains go first, LFU-like, which is what a skewed popularity wants). The largest
+  estimate is the largest of the three terms' maxima, so three heaps with static keys
+  find the victim in O(log n).
 - Statistics of a chain head outlive its eviction (a bounded history), so a block that
   comes back after being evicted resumes with its gap.
 
@@ -59,10 +61,10 @@ def _node(block: Evictable) -> ChainNode:
 class ReuseGapQueue(LevelQueue):
     """Evict the leaf whose chain is expected back last (see the module doc)."""
 
-    age_weight = 3.0
-    """``c``: how strongly time since the last use pushes the expected next use out."""
-    gap_weight = 1.0
-    """``lambda``: how strongly a long reuse gap pushes the expected next use out."""
+    overdue_weight = 4.0
+    """``k``: how fast an overdue chain's expected next use recedes (finished conversations)."""
+    rate_weight = 1.0
+    """``lambda``: weight of the chain's mean reuse gap (rarely used chains go first)."""
     fresh_weight = 0.01
     """Weight of a new sample in the running mean of first-reuse gaps."""
     history_floor = 65_536
@@ -70,8 +72,10 @@ class ReuseGapQueue(LevelQueue):
 
     __slots__ = (
         "_by_due",
-        "_by_gap",
-        "_by_used",
+        "_by_overdue",
+        "_by_rate",
+        "_estimates",
+        "_first_seen",
         "_fresh_gap",
         "_gap",
         "_head_of",
@@ -79,21 +83,25 @@ class ReuseGapQueue(LevelQueue):
         "_live",
         "_new_heads",
         "_now",
-        "_predicted",
         "_reused_heads",
+        "_reuses",
+        "_seq",
     )
 
     def __init__(self) -> None:
-        # One heap per term of the estimate; entries are (key, stamp, block id, block).
+        # One heap per term of the estimate; entries are (key, stamp, sequence, block).
         self._by_due: list[tuple[float, int, int, Evictable]] = []  # -(t + g)
-        self._by_gap: list[tuple[float, int, int, Evictable]] = []  # -g
-        self._by_used: list[tuple[float, int, int, Evictable]] = []  # t
+        self._by_overdue: list[tuple[float, int, int, Evictable]] = []  # t + g
+        self._by_rate: list[tuple[float, int, int, Evictable]] = []  # -mean gap
         self._live = 0
-        self._predicted: dict[int, tuple[float, int]] = {}
-        """Node key -> (gap estimate, last_used it was made at)."""
+        self._seq = 0
+        self._estimates: dict[int, tuple[float, float, int]] = {}
+        """Node key -> (last gap, mean gap, last_used they were made at)."""
         self._head_of: dict[int, ChainNode] = {}
         self._last_seen: dict[int, int] = {}
         """Chain head key -> its last_used when last observed."""
+        self._first_seen: dict[int, int] = {}
+        self._reuses: dict[int, int] = {}
         self._gap: dict[int, float] = {}
         self._now = 0
         self._fresh_gap = 0.0
@@ -107,23 +115,24 @@ class ReuseGapQueue(LevelQueue):
         used = node.last_used
         if used > self._now:
             self._now = used
-        known = self._predicted.get(node.key)
-        if known is not None and known[1] == used:
-            gap = known[0]
+        known = self._estimates.get(node.key)
+        if known is not None and known[2] == used:
+            gap, mean_gap = known[0], known[1]
         else:
-            gap = self._estimate_gap(node)
-            self._predicted[node.key] = (gap, used)
+            gap, mean_gap = self._estimate(node)
+            self._estimates[node.key] = (gap, mean_gap, used)
         stamp = block.queue_stamp
-        bid = block.block_id
-        heapq.heappush(self._by_due, (-(used + gap), stamp, bid, block))
-        heapq.heappush(self._by_gap, (-gap, stamp, bid, block))
-        heapq.heappush(self._by_used, (float(used), stamp, bid, block))
+        seq = self._seq = self._seq + 1  # unique: ties never compare blocks
+        due = used + gap
+        heapq.heappush(self._by_due, (-due, stamp, seq, block))
+        heapq.heappush(self._by_overdue, (due, stamp, seq, block))
+        heapq.heappush(self._by_rate, (-mean_gap, stamp, seq, block))
         self._live += 1
 
     def discard(self, block: Evictable) -> None:
         self._live -= 1
-        if len(self._by_used) > 64 and len(self._by_used) > 2 * self._live:
-            for heap in (self._by_due, self._by_gap, self._by_used):
+        if len(self._by_due) > 64 and len(self._by_due) > 2 * self._live:
+            for heap in (self._by_due, self._by_overdue, self._by_rate):
                 heap[:] = [e for e in heap if _current(e) and e[3] is not block]
                 heapq.heapify(heap)
 
@@ -133,7 +142,7 @@ class ReuseGapQueue(LevelQueue):
         now = self._now
         best: list[tuple[float, int, int, Evictable]] | None = None
         best_value = 0.0
-        for heap in (self._by_due, self._by_gap, self._by_used):
+        for heap in (self._by_due, self._by_overdue, self._by_rate):
             while heap and not _current(heap[0]):
                 heapq.heappop(heap)
             if not heap:
@@ -141,10 +150,10 @@ class ReuseGapQueue(LevelQueue):
             key = heap[0][0]
             if heap is self._by_due:
                 value = -key - now
-            elif heap is self._by_gap:
-                value = self.gap_weight * -key
+            elif heap is self._by_overdue:
+                value = self.overdue_weight * (now - key)
             else:
-                value = self.age_weight * (now - key)
+                value = self.rate_weight * -key
             if best is None or value > best_value:
                 best, best_value = heap, value
         if best is None:
@@ -152,7 +161,7 @@ class ReuseGapQueue(LevelQueue):
         block = heapq.heappop(best)[3]
         self._live -= 1
         key = _node(block).key
-        self._predicted.pop(key, None)
+        self._estimates.pop(key, None)
         self._head_of.pop(key, None)
         return block
 
@@ -161,16 +170,19 @@ class ReuseGapQueue(LevelQueue):
 
     # -- estimates
 
-    def _estimate_gap(self, node: ChainNode) -> float:
-        """The reuse gap of ``node``'s chain: its last one, or the fresh-chain estimate."""
+    def _estimate(self, node: ChainNode) -> tuple[float, float]:
+        """(last gap, mean gap) of ``node``'s chain, or the fresh-chain estimate for both."""
         head = self._head(node)
         key = head.key
         head_used = head.last_used
         previous = self._last_seen.get(key)
         if previous is None:
             self._new_heads += 1
+            self._first_seen[key] = head_used
+            self._reuses[key] = 0
         elif head_used > previous:
             sample = float(head_used - previous)
+            self._reuses[key] = self._reuses.get(key, 0) + 1
             if key not in self._gap:
                 self._reused_heads += 1
                 fresh = self._fresh_gap
@@ -179,13 +191,17 @@ class ReuseGapQueue(LevelQueue):
                 )
             self._gap[key] = sample
         self._last_seen[key] = head_used
-        if len(self._last_seen) > self.history_floor + 4 * len(self._predicted):
+        if len(self._last_seen) > self.history_floor + 4 * len(self._estimates):
             self._forget()
         gap = self._gap.get(key)
-        if gap is not None:
-            return gap
-        reuse_share = self._reused_heads / self._new_heads
-        return (self._fresh_gap or 1.0) / max(reuse_share, 1e-3)
+        if gap is None:
+            reuse_share = self._reused_heads / self._new_heads
+            fresh = (self._fresh_gap or 1.0) / max(reuse_share, 1e-3)
+            return fresh, fresh
+        count = self._reuses.get(key, 0)
+        first = self._first_seen.get(key)
+        mean_gap = (head_used - first) / count if count and first is not None else gap
+        return gap, mean_gap
 
     def _head(self, node: ChainNode) -> ChainNode:
         """The top of the single-child chain ``node`` hangs from (cached per queued leaf)."""
@@ -209,7 +225,9 @@ class ReuseGapQueue(LevelQueue):
         for key, _ in seen[: len(seen) // 2]:
             del self._last_seen[key]
             self._gap.pop(key, None)
-        self._head_of = {k: v for k, v in self._head_of.items() if k in self._predicted}
+            self._first_seen.pop(key, None)
+            self._reuses.pop(key, None)
+        self._head_of = {k: v for k, v in self._head_of.items() if k in self._estimates}
 
 
 def _current(entry: tuple[float, int, int, Evictable]) -> bool:

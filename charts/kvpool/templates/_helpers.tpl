@@ -43,6 +43,31 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The `kvpool operator` command line, one argument per list item. */}}
+{{- define "kvpool.operatorArgs" -}}
+- operator
+{{- if include "kvpool.clusterwide" . }}
+- --all-namespaces
+{{- else }}
+{{- range .Values.operator.watchNamespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- end }}
+{{- if .Values.operator.peering.enabled }}
+- --peering={{ .Values.operator.peering.name }}
+{{- else }}
+- --standalone
+{{- end }}
+- --liveness=http://0.0.0.0:{{ .Values.operator.healthPort }}/healthz
+- --timer-interval={{ .Values.operator.timerInterval }}
+{{- if .Values.operator.verbose }}
+- --verbose
+{{- end }}
+{{- range .Values.operator.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
 {{- define "kvpool.clusterwide" -}}
 {{- if empty .Values.operator.watchNamespaces -}}true{{- end -}}
 {{- end -}}
