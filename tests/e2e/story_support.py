@@ -556,6 +556,8 @@ class Stack:
     release: str = "kvpool"
     release_namespace: str = "kvpool-system"
     timer_interval: float = 2.0
+    agents: bool = True
+    """Run agents for the pool pods (off: pods stay kwok's Running and Ready, nothing runs)."""
     credential: str = ""
     """How the operator authenticated: ``token`` or ``client-cert`` (see token_connects)."""
     operator: subprocess.Popen[bytes] | None = None
@@ -587,6 +589,9 @@ class Stack:
         self.operator = start_operator(
             kubeconfig, [self.namespace], self.timer_interval, self.operator_log
         )
+        if not self.agents:
+            self.timings["stack_start_s"] = time.monotonic() - t0
+            return self
         self.mounts = LoopbackKubelet(
             self.cluster.kubeconfig, self.namespace, self.workdir, self.proxies
         )

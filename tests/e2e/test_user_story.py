@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -152,6 +155,13 @@ def test_helm_install_runs_the_operator_under_the_charts_service_account(stack: 
     )  # fmt: skip
     assert denied.stdout.strip() == "no"
     stack.check_operator()
+    if stack.credential != "token":
+        warnings.warn(
+            "the operator ran with a client certificate of the chart's ServiceAccount, not "
+            "its token: KubeApi.connection_info does not pass kubeconfig tokens to kopf "
+            "(see story_support.token_connects); same identity and RBAC either way",
+            stacklevel=1,
+        )
 
 
 def test_example_pool_comes_up_serves_hits_scales_and_is_collected(
@@ -179,17 +189,28 @@ def test_example_pool_comes_up_serves_hits_scales_and_is_collected(
 
     # Ready means the agent serves: the pod's readiness follows the agent's /readyz.
     urls = stack.wait_agents_ready(name, 1, timeout=30)
-    first = drive_pool(stack, name, trace, 1)
+    # The first pass as a user runs it: `kvpool drive TRACE --pool NAME`.
+    cli = subprocess.run(
+        [
+            sys.executable, "-m", "kvpool_agent.cli", "drive", str(story_trace()),
+            "--pool", name, "-n", ns, "--kubeconfig", str(cluster.kubeconfig),
+            "--limit", str(SLICE), "--json",
+        ],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    first = json.loads(cli.stdout)
+    assert first["endpoints"] == list(urls.values()) and first["failed"] == 0
     second = drive_pool(stack, name, trace, 1)
-    assert first.failed == 0 and second.failed == 0
+    assert second.failed == 0
     # Shared system prompts hit even in the first pass; a second pass hits far more.
-    assert first.block_hit_rate > 0.3
-    assert second.block_hit_rate > first.block_hit_rate + 0.1
+    assert first["block_hit_rate"] > 0.3
+    assert second.block_hit_rate > first["block_hit_rate"] + 0.1
     (url,) = urls.values()
     queries = metric(url, "kvpool_prefix_cache_queries_tokens_total")
     hits = metric(url, "kvpool_prefix_cache_hits_tokens_total")
-    assert queries == 16 * (first.query_blocks + second.query_blocks)
-    assert hits == 16 * (first.hit_blocks + second.hit_blocks)
+    assert queries == 16 * (first["query_blocks"] + second.query_blocks)
+    assert hits == 16 * (first["hit_blocks"] + second.hit_blocks)
     # Under a steady load the operator's scrapes show the hits in the pool's status
     # (refreshed every 30 s at most).
     with Load(stack, name, trace) as load:

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
             policy_rate,
             target,
             unique,
-            min_blocks=longest,
+            # No online policy beats the optimum, so its capacity is a lower bound.
+            min_blocks=max(longest, best.capacity_blocks or 1),
             rel_tol=args.tolerance,
             max_rate=ceiling,
         )
