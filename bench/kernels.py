@@ -26,10 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from kvpool_kernels import PagedAttention, copy_blocks, new_pool
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from kvpool_kernels import PagedAttention, copy_blocks, new_pool
 
 console = Console()
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from kvpool_kernels import PagedKvTable, append_kv, append_slots, dequantize, new_pool, scale_for
 from kvpool_kernels.layout import KvLayout
 

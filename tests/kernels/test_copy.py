@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpool_kernels import copy as copy_module
 from kvpool_kernels import copy_block_prefix, copy_block_prefixes, copy_blocks, new_pool
 from kvpool_kernels.copy import chunk_ids

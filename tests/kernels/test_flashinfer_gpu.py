@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from kernel_cases import PagedBatch, make_batch
+
 from kvpool_kernels import (
     PagedAttention,
     PagedKvTable,

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpool_kernels import (
     PagedKvTable,
     append_kv,

@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import dense_attention, make_batch
+
 from kvpool_kernels import PagedAttention, window_left_for
 
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8]

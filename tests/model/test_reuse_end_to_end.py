@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_llama import CachedRunner, TinyLlama, TinyLlamaConfig
+
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.config import FULL_ATTENTION, KvCacheConfig, ModelGeometry
 from kvpool_kernels.flashinfer_backend import flashinfer_available
-from tiny_llama import CachedRunner, TinyLlama, TinyLlamaConfig
 
 TPB = 4
 MAX_SEQ = 128

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+from torch import nn
+
 from kvpool_agent.cache import KVCacheManager, SequenceHandle
 from kvpool_agent.config import FULL_ATTENTION
 from kvpool_kernels import PagedAttention, PagedKvTable, append_kv, append_slots, window_left_for
 from kvpool_kernels.attention import Backend
-from torch import nn
 
 
 @dataclass(frozen=True)
