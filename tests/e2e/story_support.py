@@ -677,10 +677,14 @@ class Tick:
 class Load:
     """A steady load: the trace driven through a pool's ready agents, round after round, in a
     thread. Agents are looked up again every ``chunk`` requests, as a router following the
-    pool's endpoints would, so scaling and rolling show up in where requests go."""
+    pool's endpoints would, so scaling and rolling show up in where requests go. ``rate``
+    paces the requests (per second) so that a round outlasts a pod swap."""
 
-    def __init__(self, stack: Stack, name: str, trace: Trace, chunk: int = 50) -> None:
+    def __init__(
+        self, stack: Stack, name: str, trace: Trace, chunk: int = 50, rate: float | None = None
+    ) -> None:
         self.stack, self.name, self.trace, self.chunk = stack, name, trace, chunk
+        self.rate = rate
         self.ticks: list[Tick] = []
         self.rounds: list[tuple[float, float, DriveResult]] = []
         self._stop = threading.Event()
@@ -724,7 +728,13 @@ class Load:
                     )
                     http = httpx.Client(timeout=30.0, trust_env=False)
                     with PoolClient(urls, tokens_per_block=16, client=http) as client:
-                        result = drive(part, client, on_request=self._record())
+                        result = drive(
+                            part,
+                            client,
+                            rate=self.rate,
+                            on_request=self._record(),
+                            should_stop=self._stop.is_set,
+                        )
                     _accumulate(total, result)
                 self.rounds.append((start, time.monotonic(), total))
         except BaseException as err:  # surfaced by the test through .error
