@@ -38,11 +38,11 @@ def test_cli_check_flags_a_stale_file(tmp_path) -> None:
 
     from kvpool_operator.commands import crd as command
 
-    assert command.run(Namespace(output=target, check=False)) == 0
+    assert command.run(Namespace(output=target, check=False, reference=False)) == 0
     assert target.read_text() == crd_yaml()
-    assert command.run(Namespace(output=target, check=True)) == 0
+    assert command.run(Namespace(output=target, check=True, reference=False)) == 0
     target.write_text(target.read_text() + "# edited\n")
-    assert command.run(Namespace(output=target, check=True)) == 1
+    assert command.run(Namespace(output=target, check=True, reference=False)) == 1
 
 
 def test_kvpool_crd_prints_the_crd(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool_operator.crd import crd_yaml
     from kvpool_operator.reference_doc import reference_markdown
 
-    text = reference_markdown() if getattr(args, "reference", False) else crd_yaml()
+    text = reference_markdown() if args.reference else crd_yaml()
     out: Path | None = args.output
     if out is None:
         sys.stdout.write(text)
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         current = out.read_text() if out.exists() else ""
         if current != text:
-            flag = " --reference" if getattr(args, "reference", False) else ""
+            flag = " --reference" if args.reference else ""
             print(f"{out} is stale: run `kvpool crd{flag} --output {out}`", file=sys.stderr)
             return 1
         return 0
