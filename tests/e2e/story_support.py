@@ -263,7 +263,10 @@ class LoopbackKubelet:
     def __call__(self, pod: PodInfo) -> Sequence[str] | None:
         if pod.labels.get("app.kubernetes.io/name") != "kvpool-agent":
             return None
-        spec: Any = self.core.read_namespaced_pod(pod.name, pod.namespace).spec
+        obj: Any = self.core.read_namespaced_pod(pod.name, pod.namespace)
+        # kwok marked the pod Ready with nothing running yet: not until the agent answers.
+        self._probe_readiness(obj, ready=False)
+        spec = obj.spec
         container = spec.containers[0]
         root = self.workdir / "pods" / f"{pod.namespace}_{pod.name}_{pod.uid[:8]}"
         volumes = {v.name: v for v in spec.volumes or []}
@@ -345,11 +348,12 @@ class LoopbackKubelet:
                 continue
             self._project(files, cache)
 
-    def _probe_readiness(self, pod: Any) -> None:
+    def _probe_readiness(self, pod: Any, ready: bool | None = None) -> None:
         """The readiness probe kwok does not run: the pod's Ready condition follows the
         agent's ``/readyz`` (kwok sets Running and Ready once, then leaves the status alone),
-        so a rollout waits for agents that really serve."""
-        ready = agent_ready(f"http://{pod.status.pod_ip}:8000")
+        so a rollout waits for agents that really serve. ``ready`` overrides the probe."""
+        if ready is None:
+            ready = agent_ready(f"http://{pod.status.pod_ip}:8000")
         want = "True" if ready else "False"
         conditions = [
             {"type": c.type, "status": c.status, "lastTransitionTime": c.last_transition_time}

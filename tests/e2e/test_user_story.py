@@ -16,6 +16,7 @@ gone or in the state the next one starts from, as written at its top.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import subprocess
 import sys
@@ -452,12 +453,13 @@ def test_restart_edit_rolls_one_pod_at_a_time_with_warm_handoff(stack: Stack, tr
     assert after_edit and min(s.ready_pods for s in after_edit) >= 1
     # Ready went False during the roll and came back only with every pod updated and ready.
     assert any(s.pool_ready == "False" for s in after_edit), "Ready never went False"
-    first_ready = next(
-        i
-        for i, s in enumerate(after_edit)
-        if s.pool_ready == "True" and i > 0 and after_edit[i - 1].pool_ready == "False"
-    )
-    assert after_edit[first_ready].updated == 2 and after_edit[first_ready].ready_pods == 2
+    back = [
+        s
+        for prev, s in itertools.pairwise(after_edit)
+        if prev.pool_ready == "False" and s.pool_ready == "True"
+    ]
+    assert back, f"Ready never came back: {after_edit[-3:]}"
+    assert back[0].updated == 2 and back[0].ready_pods == 2, back[0]
     # Each old agent drained and handed its hottest blocks to a peer.
     assert stack.harness is not None
     drained = [

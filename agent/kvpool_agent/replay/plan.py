@@ -38,7 +38,7 @@ def smallest_capacity(
     """Smallest capacity in ``min_blocks..max_blocks`` whose hit rate reaches ``target``.
 
     Assumes the hit rate grows with capacity. With ``rel_tol`` > 0 the answer may exceed
-    the true smallest capacity by up to that share. ``max_blocks`` (all unique blocks)
+    the true smallest capacity by up to that share of the answer. ``max_blocks`` (all unique blocks)
     reaches the infinite-cache hit rate, ``max_rate`` when the caller knows it; a target
     above it is reported as out of reach.
     """
