@@ -76,6 +76,9 @@ def plot_sweep(points: Sequence[SweepPoint], title: str, path: str | Path) -> Pa
             label=name,
         )
     ax.set_xscale("log")
+    ticks = sorted({100 * p.fraction for p in points})
+    ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("capacity (% of the trace's unique blocks)")
     ax.set_ylabel("block hit rate (%)")
     ax.set_title(title)

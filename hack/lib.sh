@@ -1,0 +1,45 @@
+# Shared shell helpers of the hack/ scripts. Source it from the repository root:
+#   . hack/lib.sh
+# kvpool::setup      idempotent set-up: a virtualenv with the project and its dev extras
+#                    (torch CPU included), activated, and the dev cluster binaries (built once
+#                    from the Go module proxy, cached under ~/.cache/kvpool)
+# kvpool::step NAME CMD...   run CMD, print its wall time, remember it for kvpool::timings
+# kvpool::timings    print every step's time
+
+kvpool_step_names=()
+kvpool_step_secs=()
+
+kvpool::setup() {
+  local venv="${KVPOOL_VENV:-.venv}"
+  if [ ! -x "$venv/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$venv"
+  fi
+  # shellcheck disable=SC1091
+  . "$venv/bin/activate"
+  python -m pip install --quiet --upgrade pip
+  python -m pip install --quiet -e '.[dev]'
+  kvpool dev-cluster build >/dev/null
+}
+
+kvpool::step() {
+  local name="$1"
+  shift
+  local start end
+  echo "== $name" >&2
+  start=$(date +%s.%N)
+  "$@"
+  end=$(date +%s.%N)
+  local secs
+  secs=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
+  kvpool_step_names+=("$name")
+  kvpool_step_secs+=("$secs")
+  echo "   ($name: ${secs}s)" >&2
+}
+
+kvpool::timings() {
+  local i
+  echo "== timings" >&2
+  for i in "${!kvpool_step_names[@]}"; do
+    printf '   %-44s %8ss\n' "${kvpool_step_names[$i]}" "${kvpool_step_secs[$i]}" >&2
+  done
+}
