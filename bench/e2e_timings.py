@@ -249,6 +249,11 @@ def plot(rolls: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def report_file(path: Path) -> None:
+    """Print the tables of an earlier run's JSON."""
+    report(json.loads(path.read_text()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="apply->Ready runs per pool")
@@ -256,7 +261,13 @@ def main() -> int:
     parser.add_argument(
         "--rate", type=float, default=15.0, help="requests/s of the load during the rolls"
     )
+    parser.add_argument(
+        "--report", type=Path, help="only print the tables of an earlier run's JSON"
+    )
     args = parser.parse_args()
+    if args.report is not None:
+        report_file(args.report)
+        return 0
     trace = load_trace(story_trace()).head(SLICE)
     RESULTS.mkdir(parents=True, exist_ok=True)
     layout = ensure_built()
@@ -323,16 +334,13 @@ def report(results: dict[str, Any]) -> None:
         f"all reconciled and Ready after {many['all_ready_s']:.1f}s "
         f"({many['all_ready_s'] / many['pools']:.2f}s per pool)"
     )
-    table = Table(title="block hit rate around a rolling restart (2 agents, steady load)")
-    for col in (
-        "handoff",
-        "before",
-        "during",
-        "1st round after",
-        "2nd round after",
-        "roll s",
-        "failed",
-    ):
+    rate = results["rolls"][0]["rate"]
+    table = Table(
+        title=f"block hit rate around a rolling restart (2 agents, {rate:g} requests/s, "
+        f"a round = {SLICE} requests)"
+    )
+    cols = ("handoff", "round before", "during", "1st round after", "2nd round after", "roll s")
+    for col in (*cols, "failed"):
         table.add_column(col)
     base = next(r for r in results["rolls"] if not r["warm_handoff"])
     for r in results["rolls"]:

@@ -105,10 +105,10 @@ class KvCacheConfig(_Model):
         10_000, ge=0, description="Bound of the KV event queue; 0 disables KV events."
     )
     eviction_policy: str = Field(
-        "lru",
-        description="How blocks of equal priority are ordered for eviction: "
-        + ", ".join(EVICTION_POLICIES)
-        + ". Priorities always come first.",
+        "reuse-gap",
+        description="How blocks of equal priority are ordered for eviction: reuse-gap (the "
+        "default, best across the traces in shared/traces) or lru (the reference's plain "
+        "LRU). Priorities and retention durations always come first.",
     )
 
     @field_validator("tokens_per_block")

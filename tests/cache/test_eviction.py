@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FakeClock, make_manager
+from cache_helpers import FakeClock, make_manager
 
 from kvpool_agent.cache import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvpool_agent.cache.eviction import EvictionQueue

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_manager, state_snapshot, write_kv
+from cache_helpers import make_manager, state_snapshot, write_kv
 
 from kvpool_agent.cache import (
     InvalidRetentionError,

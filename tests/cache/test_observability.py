@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import make_manager
+from cache_helpers import make_manager
 
 from kvpool_agent.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated
 

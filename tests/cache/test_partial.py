@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import expected_kv, make_manager, read_kv, write_kv
+from cache_helpers import expected_kv, make_manager, read_kv, write_kv
 
 
 def _store(mgr, tokens):  # type: ignore[no-untyped-def]

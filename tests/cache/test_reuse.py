@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import TPB, expected_kv, make_manager, read_kv, write_kv
+from cache_helpers import TPB, expected_kv, make_manager, read_kv, write_kv
 
 
 def test_full_blocks_are_reused_and_read_back() -> None:

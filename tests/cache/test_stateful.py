@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 import hypothesis.strategies as st
-from conftest import fill_value, write_kv
+from cache_helpers import fill_value, write_kv
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
@@ -45,8 +45,11 @@ class CacheMachine(RuleBasedStateMachine):
         host=st.integers(0, 6),
         copy=st.booleans(),
         threshold=st.sampled_from([0, 35, 60]),
+        policy=st.sampled_from(["lru", "reuse-gap"]),
     )
-    def setup(self, windows: Any, blocks: int, host: int, copy: bool, threshold: int) -> None:
+    def setup(
+        self, windows: Any, blocks: int, host: int, copy: bool, threshold: int, policy: str
+    ) -> None:
         from kvpool_agent.cache.sizing import build_pools
 
         cfg = KvCacheConfig(
@@ -54,6 +57,7 @@ class CacheMachine(RuleBasedStateMachine):
             max_attention_window=windows,
             copy_on_partial_reuse=copy,
             secondary_offload_min_priority=threshold,
+            eviction_policy=policy,
         )
         _, groups, _ = build_pools(MODEL, cfg)
         cfg = cfg.model_copy(update={"host_cache_size": host * sum(g.block_bytes for g in groups)})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import expected_kv, make_manager, read_kv, write_kv
+from cache_helpers import expected_kv, make_manager, read_kv, write_kv
 
 from kvpool_agent.cache import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvpool_agent.cache import storage as storage_mod

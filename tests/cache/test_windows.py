@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import TPB, make_manager
+from cache_helpers import TPB, make_manager
 
 from kvpool_agent.config import ModelGeometry
 
