@@ -40,6 +40,6 @@ kvpool::timings() {
   local i
   echo "== timings" >&2
   for i in "${!kvpool_step_names[@]}"; do
-    printf '   %-44s %8ss\n' "${kvpool_step_names[$i]}" "${kvpool_step_secs[$i]}" >&2
+    printf '   %-52s %8ss\n' "${kvpool_step_names[$i]}" "${kvpool_step_secs[$i]}" >&2
   done
 }

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from kvpool_agent.client import PoolClient
+from kvpool_agent.config import ConfigError
 from kvpool_agent.traces import Trace, TraceRequest
 
 AGENT_PORT = 8000
@@ -116,13 +117,23 @@ def drive(
 
 
 def endpoint_urls(addresses: Iterable[str], port: int = AGENT_PORT) -> list[str]:
-    """Base URLs from pod IPs (or URLs given as they are)."""
+    """Base URLs from ``IP``, ``IP:PORT`` or full URLs; raises ConfigError on a bad one."""
     urls = []
     for address in addresses:
         address = address.strip()
         if not address:
             continue
-        urls.append(address if "://" in address else f"http://{address}:{port}")
+        if "://" not in address:
+            host, sep, tail = address.rpartition(":")
+            has_port = sep and tail.isdigit() and ":" not in host
+            address = f"http://{address}" if has_port else f"http://{address}:{port}"
+        try:
+            url = httpx.URL(address)
+        except httpx.InvalidURL as err:
+            raise ConfigError(f"--endpoints: {address!r} is not a valid URL: {err}") from None
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ConfigError(f"--endpoints: {address!r} is not an http(s) URL with a host")
+        urls.append(address.rstrip("/"))
     return urls
 
 

@@ -35,7 +35,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,12 +122,6 @@ def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
         if cond.get("type") == kind:
             return str(cond.get("status"))
     return None
-
-
-def apply_doc(cluster: DevCluster, namespace: str, doc: dict[str, Any], workdir: Path) -> None:
-    path = workdir / f"apply-{uuid.uuid4().hex[:8]}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    cluster.kubectl("apply", "-n", namespace, "-f", str(path))
 
 
 # -- cluster DNS for the pods' stable names -------------------------------------------------

@@ -441,10 +441,10 @@ def test_restart_edit_rolls_one_pod_at_a_time_with_warm_handoff(stack: Stack, tr
             watcher.join()
     assert load.error is None
     before = load.hit_rate(0, edited)
-    during = load.hit_rate(edited, rolled)
+    during = load.hit_rate(edited, rolled) or 0.0
     after = load.rounds[-1][2].block_hit_rate
     print(
-        f"\nroll with warm handoff: hit rate before {before:.2%}, during {during}, "
+        f"\nroll with warm handoff: hit rate before {before:.2%}, during {during:.2%}, "
         f"after {after:.2%}"
     )
     assert done["status"]["updatedReplicas"] == 2

@@ -98,4 +98,6 @@ def run(args: argparse.Namespace) -> int:
         )
         for url, count in sorted(result.per_replica.items()):
             out.print(f"  {url}: {count} requests")
+    if result.errors:
+        console.print(f"[yellow]first failure:[/] {result.errors[0]}")
     return 1 if result.failed == result.requests and result.requests else 0
