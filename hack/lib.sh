@@ -18,7 +18,7 @@ kvpool::setup() {
   . "$venv/bin/activate"
   python -m pip install --quiet --upgrade pip
   python -m pip install --quiet -e '.[dev]'
-  kvpool dev-cluster build >/dev/null
+  kvpool dev-cluster build
 }
 
 kvpool::step() {

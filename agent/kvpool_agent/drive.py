@@ -19,14 +19,14 @@ import httpx
 
 from kvpool_agent.client import PoolClient
 from kvpool_agent.config import ConfigError
-from kvpool_agent.traces import Trace, TraceRequest
+from kvpool_agent.traces import HitRates, Trace, TraceRequest
 
 AGENT_PORT = 8000
 AGENT_NAME_LABEL = "app.kubernetes.io/name=kvpool-agent"
 
 
 @dataclass
-class DriveResult:
+class DriveResult(HitRates):
     """Counts of one replay; hit rates are hits over queries (blocks, or prompt tokens)."""
 
     trace: str
@@ -39,14 +39,6 @@ class DriveResult:
     seconds: float = 0.0
     per_replica: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
-
-    @property
-    def block_hit_rate(self) -> float:
-        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -127,3 +127,21 @@ def infer_block_size(requests: tuple[TraceRequest, ...] | list[TraceRequest], pa
             f"(best {best} fits {best_fits} of {len(requests)}); pass the block size explicitly"
         )
     return best
+
+
+class HitRates:
+    """Block and token hit rates of a replay (hits over queries), shared by the in-process
+    replay and the HTTP drive so both report the same figures the same way."""
+
+    query_blocks: int
+    hit_blocks: int
+    query_tokens: int
+    hit_tokens: int
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
-from kvpool_agent.traces import Trace
+from kvpool_agent.traces import HitRates, Trace
 
 REPLAY_MODEL = ModelGeometry(name="replay", num_layers=1, num_kv_heads=1, head_dim=1)
 """The smallest geometry the engine accepts: only block counts matter to a replay."""
@@ -24,7 +24,7 @@ Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayResult:
+class ReplayResult(HitRates):
     """Hit figures of one replay: blocks as the trace counts them, and prompt tokens."""
 
     trace: str
@@ -36,14 +36,6 @@ class ReplayResult:
     query_tokens: int
     hit_tokens: int
     evictions: int
-
-    @property
-    def block_hit_rate(self) -> float:
-        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def as_dict(self) -> dict[str, float | int | str]:
         out: dict[str, float | int | str] = dict(asdict(self))
