@@ -234,7 +234,9 @@ def test_example_pool_comes_up_serves_hits_scales_and_is_collected(
     assert len(third.per_replica) == 3, "prefix affinity spreads the prefixes over the agents"
     assert third.failed == 0
 
-    cluster.kubectl("delete", "-n", ns, f"kvp/{name}", "--wait=true", "--timeout=60s")
+    # The operator finishes a timer pass (scraping agents) before kopf handles the deletion:
+    # on a loaded 2-core machine that has taken over a minute.
+    cluster.kubectl("delete", "-n", ns, f"kvp/{name}", "--wait=true", "--timeout=240s", timeout=300)
     for child in CHILDREN:
         wait_until(
             f"{child} garbage-collected",
@@ -328,7 +330,9 @@ def test_autoscaler_scales_up_under_capacity_misses_and_down_when_load_stops(
     print(f"scaled down {time.monotonic() - stopped_at:.0f}s after the load stopped")
     stack.wait_agents_ready(name, 1, timeout=60)
     assert any(e["reason"] == "ScaledDown" for e in events(stack))
-    stack.cluster.kubectl("delete", "-n", stack.namespace, f"kvp/{name}", "--wait=true")
+    stack.cluster.kubectl(
+        "delete", "-n", stack.namespace, f"kvp/{name}", "--wait=true", "--timeout=240s", timeout=300
+    )
     wait_until("the agents stopped", lambda: not stack.agent_urls(name), 60)
 
 
@@ -459,7 +463,12 @@ def test_restart_edit_rolls_one_pod_at_a_time_with_warm_handoff(stack: Stack, tr
         if prev.pool_ready == "False" and s.pool_ready == "True"
     ]
     assert back, f"Ready never came back: {after_edit[-3:]}"
-    assert back[0].updated == 2 and back[0].ready_pods == 2, back[0]
+    assert back[0].updated == 2, back[0]
+    # kwok marks a new pod Ready the moment it runs and the harness corrects that from the
+    # agent's /readyz within about a second (a kubelet's readiness probe has no such window),
+    # so the pods' view may trail the pool's by one harness period: all ready within it.
+    settled = [s for s in after_edit if back[0].at <= s.at <= back[0].at + 5.0]
+    assert any(s.updated == 2 and s.ready_pods == 2 for s in settled), settled
     # Each old agent drained and handed its hottest blocks to a peer.
     assert stack.harness is not None
     drained = [
@@ -468,7 +477,15 @@ def test_restart_edit_rolls_one_pod_at_a_time_with_warm_handoff(stack: Stack, tr
     assert sum("hottest blocks: http://" in log for log in drained) >= 1, drained[-1][-2000:]
     assert before is not None and after >= 0.8 * before
 
-    stack.cluster.kubectl("delete", "-n", stack.namespace, f"kvp/{SMALL}", "--wait=true")
+    stack.cluster.kubectl(
+        "delete",
+        "-n",
+        stack.namespace,
+        f"kvp/{SMALL}",
+        "--wait=true",
+        "--timeout=240s",
+        timeout=300,
+    )
     for child in CHILDREN:
         wait_until(
             f"{child} garbage-collected",
