@@ -463,11 +463,14 @@ def test_restart_edit_rolls_one_pod_at_a_time_with_warm_handoff(stack: Stack, tr
         if prev.pool_ready == "False" and s.pool_ready == "True"
     ]
     assert back, f"Ready never came back: {after_edit[-3:]}"
-    assert back[0].updated == 2, back[0]
     # kwok marks a new pod Ready the moment it runs and the harness corrects that from the
-    # agent's /readyz within about a second (a kubelet's readiness probe has no such window),
-    # so the pods' view may trail the pool's by one harness period: all ready within it.
-    settled = [s for s in after_edit if back[0].at <= s.at <= back[0].at + 5.0]
+    # agent's /readyz about a second later (a kubelet's readiness probe has no such window),
+    # so the StatefulSet, and the pool after it, can flicker Ready while a new agent still
+    # starts. The final return to Ready must come with every pod updated, and the pods'
+    # view may trail it by one harness period.
+    final = back[-1]
+    assert final.updated == 2, final
+    settled = [s for s in after_edit if final.at <= s.at <= final.at + 5.0]
     assert any(s.updated == 2 and s.ready_pods == 2 for s in settled), settled
     # Each old agent drained and handed its hottest blocks to a peer.
     assert stack.harness is not None
