@@ -10,7 +10,6 @@ shows up as a pool whose children never appear.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import signal
@@ -25,11 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvpool_operator.devcluster.certs import issue_client_cert, service_account_identity
 from kvpool_operator.devcluster.cluster import DevCluster
 
 pytestmark = pytest.mark.e2e
@@ -396,40 +392,8 @@ def service_account_user(
     if credential == "token":
         token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h")
         return {"token": token.stdout.strip()}
-    pki = cluster.pki
-    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
-    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
-    ca_cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:serviceaccounts"),
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"system:serviceaccounts:{namespace}"),
-            x509.NameAttribute(NameOID.COMMON_NAME, f"system:serviceaccount:{namespace}:{sa}"),
-        ]
-    )
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    cert_file, key_file = tmp_path / "sa.crt", tmp_path / "sa.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return {"client-certificate": str(cert_file), "client-key": str(key_file)}
+    cert, key = issue_client_cert(cluster.pki, service_account_identity(namespace, sa), tmp_path)
+    return {"client-certificate": str(cert), "client-key": str(key)}
 
 
 def service_account_kubeconfig(

@@ -156,6 +156,30 @@ def _issue(
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
+def service_account_identity(namespace: str, name: str) -> ClientIdentity:
+    """The user name and groups the API server gives a service account's tokens."""
+    return ClientIdentity(
+        f"sa-{namespace}-{name}",
+        f"system:serviceaccount:{namespace}:{name}",
+        ("system:serviceaccounts", f"system:serviceaccounts:{namespace}"),
+    )
+
+
+def issue_client_cert(pki: PkiPaths, who: ClientIdentity, directory: Path) -> tuple[Path, Path]:
+    """A client certificate from the cluster CA for ``who``: RBAC then sees that identity
+    (tests use it to act as a service account without bearer-token handling)."""
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca_cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    key, cert = _issue(
+        ca_key, ca_cert, _name(who.user, who.groups), ExtendedKeyUsageOID.CLIENT_AUTH
+    )
+    cert_path, key_path = directory / f"{who.file_stem}.crt", directory / f"{who.file_stem}.key"
+    _write_cert(cert, cert_path)
+    _write_key(key, key_path)
+    return cert_path, key_path
+
+
 def generate_pki(pki: PkiPaths, service_ip: str) -> None:
     """Write the CA, the API server cert, the service-account key pair and client certs."""
     pki.dir.mkdir(parents=True, exist_ok=True)
