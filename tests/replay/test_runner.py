@@ -83,3 +83,48 @@ def test_engine_lru_reproduces_the_published_figure() -> None:
     trace = load_trace(TRACES / "synthetic_trace.jsonl")
     result = replay(trace, trace.capacity_blocks(0.01), "lru")
     assert round(100 * result.block_hit_rate, 1) == 3.8
+
+
+def _request(ids: list[int], block: int) -> TraceRequest:
+    return TraceRequest(0.0, block * len(ids), 1, tuple(ids))
+
+
+def test_reuse_gap_keeps_a_stable_part_of_a_loop_that_lru_thrashes() -> None:
+    """Conversations taken in turn, each longer by a block per round, in a cache holding
+    about half of them: LRU evicts each one just before it comes back and hits only the
+    shared prompt; reuse-gap keeps a fixed subset and reuses it every round."""
+    block, prompt, users, rounds = 4, 2, 8, 12
+    history = {u: [1000 + 100 * u + j for j in range(6)] for u in range(users)}
+    requests = []
+    for _ in range(rounds):
+        for u in range(users):
+            history[u].append(history[u][-1] + 1)
+            requests.append(_request(list(range(prompt)) + history[u], block))
+    trace = Trace("loop", block, tuple(requests))
+    capacity = prompt + users * 6 // 2
+    lru = replay(trace, capacity, "lru").block_hit_rate
+    gap = replay(trace, capacity, "reuse-gap").block_hit_rate
+    shared_only = prompt * (len(requests) - 1) / trace.total_blocks
+    assert lru == pytest.approx(shared_only)
+    assert gap > 1.5 * lru
+
+
+def test_reuse_gap_keeps_hot_prompts_over_one_off_suffixes() -> None:
+    """A hot prompt in every fourth request, cold prompts and one-off suffixes in between:
+    under LRU the three requests between two uses push the hot prompt out every time;
+    reuse-gap evicts the cold, rarely reused chains and the fresh suffixes instead."""
+    block, length = 4, 6
+    requests = []
+    suffix = 10_000
+    for i in range(400):
+        group = 0 if i % 4 == 0 else 1 + (i * 7) % 40  # group 0 in every fourth request
+        ids = [100 * group + j for j in range(length)] + [suffix, suffix + 1]
+        suffix += 2
+        requests.append(_request(ids, block))
+    trace = Trace("skewed", block, tuple(requests))
+    capacity = 2 * length + 4
+    lru = replay(trace, capacity, "lru").block_hit_rate
+    gap = replay(trace, capacity, "reuse-gap").block_hit_rate
+    hot_prompt_hits = length * 99 / trace.total_blocks  # every use of group 0 but the first
+    assert lru == 0.0
+    assert gap >= 0.9 * hot_prompt_hits

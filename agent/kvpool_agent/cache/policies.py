@@ -1,27 +1,32 @@
 """Eviction policies beyond plain LRU, for blocks of one priority level.
 
-``ReuseGapQueue`` ("reuse-gap") estimates when each evictable leaf will be used next and
-evicts the one expected back last, an online stand-in for Belady's MIN:
+``ReuseGapQueue`` ("reuse-gap") estimates how long until each evictable leaf is used again
+and evicts the one expected back last, an online stand-in for Belady's MIN:
 
 - A leaf is judged by its *chain*: the run of single-child blocks above it, up to the first
   block that branches (or the root). Every block of a chain is needed by the same future
   requests (a conversation's history, a document's body), so the chain's head carries the
-  statistics: ``g``, the gap between its last two uses.
+  statistics: ``m``, the mean gap between its uses over its life.
 - A chain seen only once has no gap yet: it gets the mean first-reuse gap of all chains
   divided by the share of chains ever reused. Where most first-seen chains never come back
   (unique suffixes under a shared prompt) that puts them out first, which is admission
   control without a separate filter; where they usually come back (multi-turn chat) it
   keeps them.
-- With ``t`` the chain's last use, ``age = now - t`` and ``m`` its mean gap over its life,
-  the expected next use is ``now + max(g - age, k * (age - g), lam * m)``: periodic reuse
-  (due at ``t + g``, so in a loop larger than the cache the chain just used goes first and
-  the cache keeps a stable subset), lateness (a chain overdue by much more than its gap
-  is likely finished: a closed conversation ages out fast) and a reuse rate (rarely used
-  chains go first, LFU-like, which is what a skewed popularity wants). The largest
-  estimate is the largest of the three terms' maxima, so three heaps with static keys
-  find the victim in O(log n).
+- With ``t`` the chain's last use and ``age = now - t``, the expected time to the next use
+  is ``max(m, k * (age - m))``: a chain on schedule is expected back one mean gap from now
+  (rarely used chains go first, LFU with the mean gap as the rate, which is what a skewed
+  popularity wants); a chain overdue by more than its gap is likely finished (a closed
+  conversation) and recedes ``k`` times as fast as it is late. In a loop larger than the
+  cache the ranking by ``m`` does not change as chains are used, so the cache keeps a
+  stable subset of the loop instead of thrashing like LRU, which always evicts the chain
+  that comes back next.
+- Both terms have static keys (``-m`` and ``t + m``), so two heaps find the victim in
+  O(log n): the largest estimate is the larger of the two heaps' maxima.
 - Statistics of a chain head outlive its eviction (a bounded history), so a block that
   comes back after being evicted resumes with its gap.
+
+``k`` (``overdue_weight``) is the one constant; it was chosen once, across all the traces
+in ``shared/traces`` (``bench/replay_sweep.py``), not per trace.
 
 The queue sees only ``push``, ``discard`` and ``pop``. A push whose block has a new
 ``last_used`` is a use; a push with an unchanged one is a block that became a leaf again
@@ -61,17 +66,14 @@ def _node(block: Evictable) -> ChainNode:
 class ReuseGapQueue(LevelQueue):
     """Evict the leaf whose chain is expected back last (see the module doc)."""
 
-    overdue_weight = 4.0
+    overdue_weight = 3.25
     """``k``: how fast an overdue chain's expected next use recedes (finished conversations)."""
-    rate_weight = 1.0
-    """``lambda``: weight of the chain's mean reuse gap (rarely used chains go first)."""
     fresh_weight = 0.01
     """Weight of a new sample in the running mean of first-reuse gaps."""
     history_floor = 65_536
     """Chain heads remembered beyond the queued blocks before old ones are forgotten."""
 
     __slots__ = (
-        "_by_due",
         "_by_overdue",
         "_by_rate",
         "_estimates",
@@ -90,13 +92,12 @@ class ReuseGapQueue(LevelQueue):
 
     def __init__(self) -> None:
         # One heap per term of the estimate; entries are (key, stamp, sequence, block).
-        self._by_due: list[tuple[float, int, int, Evictable]] = []  # -(t + g)
-        self._by_overdue: list[tuple[float, int, int, Evictable]] = []  # t + g
-        self._by_rate: list[tuple[float, int, int, Evictable]] = []  # -mean gap
+        self._by_overdue: list[tuple[float, int, int, Evictable]] = []  # t + m
+        self._by_rate: list[tuple[float, int, int, Evictable]] = []  # -m
         self._live = 0
         self._seq = 0
-        self._estimates: dict[int, tuple[float, float, int]] = {}
-        """Node key -> (last gap, mean gap, last_used they were made at)."""
+        self._estimates: dict[int, tuple[float, int]] = {}
+        """Node key -> (mean gap, the last_used it was made at)."""
         self._head_of: dict[int, ChainNode] = {}
         self._last_seen: dict[int, int] = {}
         """Chain head key -> its last_used when last observed."""
@@ -116,44 +117,37 @@ class ReuseGapQueue(LevelQueue):
         if used > self._now:
             self._now = used
         known = self._estimates.get(node.key)
-        if known is not None and known[2] == used:
-            gap, mean_gap = known[0], known[1]
+        if known is not None and known[1] == used:
+            mean_gap = known[0]
         else:
-            gap, mean_gap = self._estimate(node)
-            self._estimates[node.key] = (gap, mean_gap, used)
+            mean_gap = self._estimate(node)
+            self._estimates[node.key] = (mean_gap, used)
         stamp = block.queue_stamp
         seq = self._seq = self._seq + 1  # unique: ties never compare blocks
-        due = used + gap
-        heapq.heappush(self._by_due, (-due, stamp, seq, block))
-        heapq.heappush(self._by_overdue, (due, stamp, seq, block))
+        heapq.heappush(self._by_overdue, (used + mean_gap, stamp, seq, block))
         heapq.heappush(self._by_rate, (-mean_gap, stamp, seq, block))
         self._live += 1
 
     def discard(self, block: Evictable) -> None:
         self._live -= 1
-        if len(self._by_due) > 64 and len(self._by_due) > 2 * self._live:
-            for heap in (self._by_due, self._by_overdue, self._by_rate):
+        if len(self._by_rate) > 64 and len(self._by_rate) > 2 * self._live:
+            for heap in (self._by_overdue, self._by_rate):
                 heap[:] = [e for e in heap if _current(e) and e[3] is not block]
                 heapq.heapify(heap)
 
     def pop(self) -> Evictable | None:
-        """The block with the latest expected next use: the largest of the three terms'
-        maxima, since the estimate of each block is the largest of its three terms."""
+        """The block with the latest expected next use: the larger of the two terms'
+        maxima, since the estimate of each block is the larger of its two terms."""
         now = self._now
         best: list[tuple[float, int, int, Evictable]] | None = None
         best_value = 0.0
-        for heap in (self._by_due, self._by_overdue, self._by_rate):
+        for heap in (self._by_overdue, self._by_rate):
             while heap and not _current(heap[0]):
                 heapq.heappop(heap)
             if not heap:
                 continue
             key = heap[0][0]
-            if heap is self._by_due:
-                value = -key - now
-            elif heap is self._by_overdue:
-                value = self.overdue_weight * (now - key)
-            else:
-                value = self.rate_weight * -key
+            value = self.overdue_weight * (now - key) if heap is self._by_overdue else -key
             if best is None or value > best_value:
                 best, best_value = heap, value
         if best is None:
@@ -170,8 +164,8 @@ class ReuseGapQueue(LevelQueue):
 
     # -- estimates
 
-    def _estimate(self, node: ChainNode) -> tuple[float, float]:
-        """(last gap, mean gap) of ``node``'s chain, or the fresh-chain estimate for both."""
+    def _estimate(self, node: ChainNode) -> float:
+        """The mean reuse gap of ``node``'s chain, or the fresh-chain estimate."""
         head = self._head(node)
         key = head.key
         head_used = head.last_used
@@ -196,12 +190,10 @@ class ReuseGapQueue(LevelQueue):
         gap = self._gap.get(key)
         if gap is None:
             reuse_share = self._reused_heads / self._new_heads
-            fresh = (self._fresh_gap or 1.0) / max(reuse_share, 1e-3)
-            return fresh, fresh
+            return (self._fresh_gap or 1.0) / max(reuse_share, 1e-3)
         count = self._reuses.get(key, 0)
         first = self._first_seen.get(key)
-        mean_gap = (head_used - first) / count if count and first is not None else gap
-        return gap, mean_gap
+        return (head_used - first) / count if count and first is not None else gap
 
     def _head(self, node: ChainNode) -> ChainNode:
         """The top of the single-child chain ``node`` hangs from (cached per queued leaf)."""
