@@ -98,6 +98,27 @@ def test_long_unused_chain_ages_out() -> None:
     assert queue.pop(0.0) is finished
 
 
+def test_one_quick_reuse_does_not_outrank_a_steady_chain() -> None:
+    """A single short gap says little: the chain is judged close to the population's
+    first-reuse gap until more uses confirm its rate (``prior_weight``)."""
+    root = FakeNode(0, None)
+    slow = FakeBlock(root.child(1))  # first reuse after 100: sets the population's prior
+    steady = FakeBlock(root.child(2))
+    lucky = FakeBlock(root.child(3))
+    queue = EvictionQueue(ReuseGapQueue)
+    queue.push(slow, 0.0)
+    use(queue, slow, 100)
+    steady.node.last_used = 100
+    queue.push(steady, 0.0)
+    for tick in range(106, 220, 6):  # nineteen reuses, every 6 ticks
+        use(queue, steady, tick)
+    lucky.node.last_used = 215
+    queue.push(lucky, 0.0)
+    use(queue, lucky, 218)  # one reuse, 3 ticks after its first use
+    use(queue, steady, 220)
+    assert [queue.pop(0.0) for _ in range(3)] == [slow, lucky, steady]
+
+
 def test_parent_exposed_by_an_eviction_is_evictable_in_turn() -> None:
     """Leaf-only eviction: once its child is gone the parent is queued and can go too."""
     root = FakeNode(0, None)

@@ -20,13 +20,19 @@ and evicts the one expected back last, an online stand-in for Belady's MIN:
   cache the ranking by ``m`` does not change as chains are used, so the cache keeps a
   stable subset of the loop instead of thrashing like LRU, which always evicts the chain
   that comes back next.
-- Both terms have static keys (``-m`` and ``t + m``), so two heaps find the victim in
+- In the on-schedule term ``m`` is shrunk towards the mean first-reuse gap of all chains
+  by ``w`` pseudo-reuses: ``(n * m + w * fresh) / (n + w)`` for a chain reused ``n`` times.
+  One or two gaps say little about a chain's rate: without the shrinkage a chain whose only
+  reuse came quickly outranks chains used steadily for a long time. The overdue term keeps the
+  chain's own ``m``: lateness is judged against the chain's own schedule.
+- Both terms have static keys (``-m`` shrunk and ``t + m``), so two heaps find the victim in
   O(log n): the largest estimate is the larger of the two heaps' maxima.
 - Statistics of a chain head outlive its eviction (a bounded history), so a block that
   comes back after being evicted resumes with its gap.
 
-``k`` (``overdue_weight``) is the one constant; it was chosen once, across all the traces
-in ``shared/traces`` (``bench/replay_sweep.py``), not per trace.
+``k`` (``overdue_weight``) and ``w`` (``prior_weight``) are the two constants; they were
+chosen once, across all the traces in ``shared/traces`` (``bench/replay_sweep.py``), not per
+trace.
 
 The queue sees only ``push``, ``discard`` and ``pop``. A push whose block has a new
 ``last_used`` is a use; a push with an unchanged one is a block that became a leaf again
@@ -68,6 +74,9 @@ class ReuseGapQueue(LevelQueue):
 
     overdue_weight = 3.25
     """``k``: how fast an overdue chain's expected next use recedes (finished conversations)."""
+    prior_weight = 2.0
+    """Pseudo-reuses at the mean first-reuse gap added to a chain's own gaps in the rate
+    term, so a chain with one lucky short gap does not outrank steadily used ones."""
     fresh_weight = 0.01
     """Weight of a new sample in the running mean of first-reuse gaps."""
     history_floor = 65_536
@@ -96,8 +105,8 @@ class ReuseGapQueue(LevelQueue):
         self._by_rate: list[tuple[float, int, int, Evictable]] = []  # -m
         self._live = 0
         self._seq = 0
-        self._estimates: dict[int, tuple[float, int]] = {}
-        """Node key -> (mean gap, the last_used it was made at)."""
+        self._estimates: dict[int, tuple[float, float, int]] = {}
+        """Node key -> (mean gap, shrunk mean gap, the last_used they were made at)."""
         self._head_of: dict[int, ChainNode] = {}
         self._last_seen: dict[int, int] = {}
         """Chain head key -> its last_used when last observed."""
@@ -117,15 +126,15 @@ class ReuseGapQueue(LevelQueue):
         if used > self._now:
             self._now = used
         known = self._estimates.get(node.key)
-        if known is not None and known[1] == used:
-            mean_gap = known[0]
+        if known is not None and known[2] == used:
+            mean_gap, rate_gap = known[0], known[1]
         else:
-            mean_gap = self._estimate(node)
-            self._estimates[node.key] = (mean_gap, used)
+            mean_gap, rate_gap = self._estimate(node)
+            self._estimates[node.key] = (mean_gap, rate_gap, used)
         stamp = block.queue_stamp
         seq = self._seq = self._seq + 1  # unique: ties never compare blocks
         heapq.heappush(self._by_overdue, (used + mean_gap, stamp, seq, block))
-        heapq.heappush(self._by_rate, (-mean_gap, stamp, seq, block))
+        heapq.heappush(self._by_rate, (-rate_gap, stamp, seq, block))
         self._live += 1
 
     def discard(self, block: Evictable) -> None:
@@ -164,8 +173,9 @@ class ReuseGapQueue(LevelQueue):
 
     # -- estimates
 
-    def _estimate(self, node: ChainNode) -> float:
-        """The mean reuse gap of ``node``'s chain, or the fresh-chain estimate."""
+    def _estimate(self, node: ChainNode) -> tuple[float, float]:
+        """The mean reuse gap of ``node``'s chain (or the fresh-chain estimate), and the
+        same mean shrunk towards the mean first-reuse gap for the rate term."""
         head = self._head(node)
         key = head.key
         head_used = head.last_used
@@ -188,12 +198,18 @@ class ReuseGapQueue(LevelQueue):
         if len(self._last_seen) > self.history_floor + 4 * len(self._estimates):
             self._forget()
         gap = self._gap.get(key)
+        fresh = self._fresh_gap or 1.0
         if gap is None:
             reuse_share = self._reused_heads / self._new_heads
-            return (self._fresh_gap or 1.0) / max(reuse_share, 1e-3)
+            unseen = fresh / max(reuse_share, 1e-3)
+            return unseen, unseen
         count = self._reuses.get(key, 0)
         first = self._first_seen.get(key)
-        return (head_used - first) / count if count and first is not None else gap
+        if not count or first is None:
+            return gap, gap
+        mean_gap = (head_used - first) / count
+        weight = self.prior_weight
+        return mean_gap, (mean_gap * count + weight * fresh) / (count + weight)
 
     def _head(self, node: ChainNode) -> ChainNode:
         """The top of the single-child chain ``node`` hangs from (cached per queued leaf)."""
