@@ -302,9 +302,15 @@ def test_autoscaler_scales_up_under_capacity_misses_and_down_when_load_stops(
     stack.wait_agents_ready(name, 1)
     with Load(stack, name, trace) as load:
         load.wait_rounds(2)
+        # spec.replicas is patched before the status records the scale: wait for both.
         scaled_up = wait_until(
             "the autoscaler to scale up",
-            lambda: (p := stack.pool(name)) and p["spec"].get("replicas") == 2 and p,
+            lambda: (
+                (p := stack.pool(name))
+                and p["spec"].get("replicas") == 2
+                and (p.get("status") or {}).get("lastScaleTime")
+                and p
+            ),
             120,
         )
         up_at = time.monotonic()
