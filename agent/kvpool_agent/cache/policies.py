@@ -102,7 +102,7 @@ class ReuseGapQueue(LevelQueue):
     def __init__(self) -> None:
         # One heap per term of the estimate; entries are (key, stamp, sequence, block).
         self._by_overdue: list[tuple[float, int, int, Evictable]] = []  # t + m
-        self._by_rate: list[tuple[float, int, int, Evictable]] = []  # -m
+        self._by_rate: list[tuple[float, int, int, Evictable]] = []  # -(m shrunk)
         self._live = 0
         self._seq = 0
         self._estimates: dict[int, tuple[float, float, int]] = {}
