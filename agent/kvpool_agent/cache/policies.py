@@ -88,7 +88,6 @@ class ReuseGapQueue(LevelQueue):
         "_estimates",
         "_first_seen",
         "_fresh_gap",
-        "_gap",
         "_head_of",
         "_last_seen",
         "_live",
@@ -112,7 +111,6 @@ class ReuseGapQueue(LevelQueue):
         """Chain head key -> its last_used when last observed."""
         self._first_seen: dict[int, int] = {}
         self._reuses: dict[int, int] = {}
-        self._gap: dict[int, float] = {}
         self._now = 0
         self._fresh_gap = 0.0
         self._new_heads = 1
@@ -185,31 +183,26 @@ class ReuseGapQueue(LevelQueue):
             self._first_seen[key] = head_used
             self._reuses[key] = 0
         elif head_used > previous:
-            sample = float(head_used - previous)
-            self._reuses[key] = self._reuses.get(key, 0) + 1
-            if key not in self._gap:
+            self._reuses[key] += 1
+            if self._reuses[key] == 1:  # first reuse: a sample of the fresh-chain gap
                 self._reused_heads += 1
+                sample = float(head_used - previous)
                 fresh = self._fresh_gap
                 self._fresh_gap = (
                     sample if fresh == 0.0 else fresh + self.fresh_weight * (sample - fresh)
                 )
-            self._gap[key] = sample
         self._last_seen[key] = head_used
+        count = self._reuses[key]
+        span = head_used - self._first_seen[key]
         if len(self._last_seen) > self.history_floor + 4 * len(self._estimates):
             self._forget()
-        gap = self._gap.get(key)
         fresh = self._fresh_gap or 1.0
-        if gap is None:
+        if not count:
             reuse_share = self._reused_heads / self._new_heads
             unseen = fresh / max(reuse_share, 1e-3)
             return unseen, unseen
-        count = self._reuses.get(key, 0)
-        first = self._first_seen.get(key)
-        if not count or first is None:
-            return gap, gap
-        mean_gap = (head_used - first) / count
         weight = self.prior_weight
-        return mean_gap, (mean_gap * count + weight * fresh) / (count + weight)
+        return span / count, (span + weight * fresh) / (count + weight)
 
     def _head(self, node: ChainNode) -> ChainNode:
         """The top of the single-child chain ``node`` hangs from (cached per queued leaf)."""
@@ -232,9 +225,8 @@ class ReuseGapQueue(LevelQueue):
         seen = sorted(self._last_seen.items(), key=lambda kv: kv[1])
         for key, _ in seen[: len(seen) // 2]:
             del self._last_seen[key]
-            self._gap.pop(key, None)
-            self._first_seen.pop(key, None)
-            self._reuses.pop(key, None)
+            del self._first_seen[key]
+            del self._reuses[key]
         self._head_of = {k: v for k, v in self._head_of.items() if k in self._estimates}
 
 
