@@ -43,6 +43,7 @@ after its child was evicted, and keeps its earlier estimate. Time is the engine'
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvpool_agent.cache.eviction import POLICIES, Evictable, LevelQueue
@@ -69,6 +70,16 @@ def _node(block: Evictable) -> ChainNode:
     return node
 
 
+@dataclass(slots=True)
+class _Chain:
+    """What a chain head's history says: when it was first and last seen, and how often
+    it has come back since it was first seen."""
+
+    first: int
+    last: int
+    reuses: int = 0
+
+
 class ReuseGapQueue(LevelQueue):
     """Evict the leaf whose chain is expected back last (see the module doc)."""
 
@@ -85,16 +96,14 @@ class ReuseGapQueue(LevelQueue):
     __slots__ = (
         "_by_overdue",
         "_by_rate",
+        "_chains",
         "_estimates",
-        "_first_seen",
         "_fresh_gap",
         "_head_of",
-        "_last_seen",
         "_live",
         "_new_heads",
         "_now",
         "_reused_heads",
-        "_reuses",
         "_seq",
     )
 
@@ -107,10 +116,8 @@ class ReuseGapQueue(LevelQueue):
         self._estimates: dict[int, tuple[float, float, int]] = {}
         """Node key -> (mean gap, shrunk mean gap, the last_used they were made at)."""
         self._head_of: dict[int, ChainNode] = {}
-        self._last_seen: dict[int, int] = {}
-        """Chain head key -> its last_used when last observed."""
-        self._first_seen: dict[int, int] = {}
-        self._reuses: dict[int, int] = {}
+        self._chains: dict[int, _Chain] = {}
+        """Chain head key -> what has been observed of that chain."""
         self._now = 0
         self._fresh_gap = 0.0
         self._new_heads = 1
@@ -177,24 +184,23 @@ class ReuseGapQueue(LevelQueue):
         head = self._head(node)
         key = head.key
         head_used = head.last_used
-        previous = self._last_seen.get(key)
-        if previous is None:
+        chain = self._chains.get(key)
+        if chain is None:
             self._new_heads += 1
-            self._first_seen[key] = head_used
-            self._reuses[key] = 0
-        elif head_used > previous:
-            self._reuses[key] += 1
-            if self._reuses[key] == 1:  # first reuse: a sample of the fresh-chain gap
+            chain = self._chains[key] = _Chain(first=head_used, last=head_used)
+        elif head_used > chain.last:
+            chain.reuses += 1
+            if chain.reuses == 1:  # first reuse: a sample of the fresh-chain gap
                 self._reused_heads += 1
-                sample = float(head_used - previous)
+                sample = float(head_used - chain.last)
                 fresh = self._fresh_gap
                 self._fresh_gap = (
                     sample if fresh == 0.0 else fresh + self.fresh_weight * (sample - fresh)
                 )
-        self._last_seen[key] = head_used
-        count = self._reuses[key]
-        span = head_used - self._first_seen[key]
-        if len(self._last_seen) > self.history_floor + 4 * len(self._estimates):
+            chain.last = head_used
+        count = chain.reuses
+        span = head_used - chain.first
+        if len(self._chains) > self.history_floor + 4 * len(self._estimates):
             self._forget()
         fresh = self._fresh_gap or 1.0
         if not count:
@@ -222,11 +228,9 @@ class ReuseGapQueue(LevelQueue):
 
     def _forget(self) -> None:
         """Drop the older half of the chain history (and stale chain-head shortcuts)."""
-        seen = sorted(self._last_seen.items(), key=lambda kv: kv[1])
+        seen = sorted(self._chains.items(), key=lambda kv: kv[1].last)
         for key, _ in seen[: len(seen) // 2]:
-            del self._last_seen[key]
-            del self._first_seen[key]
-            del self._reuses[key]
+            del self._chains[key]
         self._head_of = {k: v for k, v in self._head_of.items() if k in self._estimates}
 
 
