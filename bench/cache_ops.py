@@ -11,7 +11,10 @@ trace hash ids inside the loop as ``kvpool replay`` does ("hash ids"). A baselin
 in the same run, a minimal prefix cache (a dict of chained block keys with an OrderedDict
 LRU, no pools, no storage), gives the ratio; absolute times on a shared machine mean little.
 
-    python bench/cache_ops.py [--sequences 1000] [--blocks 64] [--out bench/results]
+    python bench/cache_ops.py [--sequences 1000] [--blocks 64] [--policy NAME] [--out bench/results]
+
+``--policy`` picks the engine's eviction policy (default: the config default); the results
+of a policy other than the default are written as ``cache_ops_<policy>.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from rich.table import Table
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.cache.gc_tuning import tune_gc
-from kvpool_agent.config import KvCacheConfig, ModelGeometry
+from kvpool_agent.config import EVICTION_POLICIES, KvCacheConfig, ModelGeometry
 
 TPB = 16
 MODEL = ModelGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
@@ -60,8 +63,12 @@ def capacity(case: str, n_seq: int, n_blocks: int) -> int:
     return n_seq * n_blocks + 1
 
 
+POLICY = [KvCacheConfig().eviction_policy]
+
+
 def run_engine(case: str, seqs: list[list[int]], from_ids: bool, cap: int) -> float:
-    mgr = KVCacheManager.with_capacity(MODEL, KvCacheConfig(tokens_per_block=TPB), cap)
+    config = KvCacheConfig(tokens_per_block=TPB, eviction_policy=POLICY[0])
+    mgr = KVCacheManager.with_capacity(MODEL, config, cap)
     prebuilt = None if from_ids else [to_tokens(ids) for ids in seqs]
     start = time.perf_counter()
     for i, ids in enumerate(seqs):
@@ -100,7 +107,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs per cell")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--default-gc", action="store_true", help="keep CPython's GC thresholds")
+    parser.add_argument("--policy", default=POLICY[0], choices=EVICTION_POLICIES)
     args = parser.parse_args()
+    POLICY[0] = args.policy
+    default = args.policy == KvCacheConfig().eviction_policy
+    stem = "cache_ops" if default else f"cache_ops_{args.policy}"
     if not args.default_gc:
         tune_gc()
     n_seq, n_blocks = args.sequences, args.blocks
@@ -130,7 +141,10 @@ def main() -> None:
                     row["baseline_us_per_block"]
                 )  # type: ignore[arg-type]
                 rows.append(row)
-    table = Table(title=f"cache ops: {n_seq} sequences x {n_blocks} blocks, tokens_per_block={TPB}")
+    table = Table(
+        title=f"cache ops: {n_seq} sequences x {n_blocks} blocks, tokens_per_block={TPB}, "
+        f"eviction_policy={args.policy}"
+    )
     for col in ("case", "input", "engine us/block", "baseline us/block", "engine / baseline"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -143,8 +157,8 @@ def main() -> None:
         )
     Console().print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cache_ops.json").write_text(json.dumps(rows, indent=2))
-    _plot(rows, args.out / "cache_ops.png")
+    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
+    _plot(rows, args.out / f"{stem}.png")
 
 
 def _plot(rows: list[dict[str, object]], path: Path) -> None:

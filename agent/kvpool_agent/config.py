@@ -26,7 +26,7 @@ MAX_PRIORITY = 100
 KvDtype = Literal["auto", "float16", "bfloat16", "fp8", "int8"]
 ModelDtype = Literal["float16", "bfloat16", "float32"]
 
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "reuse-gap")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "reuse-gap", "mixture")
 """Names ``KvCacheConfig.eviction_policy`` accepts (``kvpool_agent.cache.eviction`` has them)."""
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1, "int8": 1}
@@ -105,10 +105,11 @@ class KvCacheConfig(_Model):
         10_000, ge=0, description="Bound of the KV event queue; 0 disables KV events."
     )
     eviction_policy: str = Field(
-        "reuse-gap",
-        description="How blocks of equal priority are ordered for eviction: reuse-gap (the "
-        "default, best across the traces in shared/traces) or lru (the reference's plain "
-        "LRU). Priorities and retention durations always come first.",
+        "mixture",
+        description="How blocks of equal priority are ordered for eviction: mixture (the "
+        "default, best across the traces in shared/traces: follows whichever of reuse-gap, "
+        "LRFU and ARC has been hitting most), reuse-gap, or lru (the reference's plain LRU). "
+        "Priorities and retention durations always come first.",
     )
 
     @field_validator("tokens_per_block")

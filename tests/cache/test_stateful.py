@@ -45,7 +45,7 @@ class CacheMachine(RuleBasedStateMachine):
         host=st.integers(0, 6),
         copy=st.booleans(),
         threshold=st.sampled_from([0, 35, 60]),
-        policy=st.sampled_from(["lru", "reuse-gap"]),
+        policy=st.sampled_from(["lru", "reuse-gap", "mixture"]),
     )
     def setup(
         self, windows: Any, blocks: int, host: int, copy: bool, threshold: int, policy: str

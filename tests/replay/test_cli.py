@@ -69,7 +69,7 @@ def test_sweep_writes_a_png(
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points = json.loads(capsys.readouterr().out)["points"]
-    assert {p["series"] for p in points} == {"lru", "reuse-gap", "optimal"}
+    assert {p["series"] for p in points} == {"lru", "reuse-gap", "mixture", "optimal"}
     best = {p["fraction"]: p["block_hit_rate"] for p in points if p["series"] == "optimal"}
     for p in points:
         assert p["block_hit_rate"] <= best[p["fraction"]] + 1e-12

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 from hypothesis import given, settings
@@ -58,6 +60,20 @@ def test_policy_is_registered_and_configurable() -> None:
     assert POLICIES["reuse-gap"] is ReuseGapQueue
     assert "reuse-gap" in EVICTION_POLICIES
     assert KvCacheConfig(eviction_policy="reuse-gap").eviction_policy == "reuse-gap"
+
+
+def test_importing_the_engine_alone_registers_every_policy_the_config_accepts() -> None:
+    """In a fresh interpreter (no test module has imported a policy module): the agent's
+    default policy must be there without anything else imported."""
+    code = (
+        "from kvpool_agent.cache.eviction import POLICIES; "
+        "from kvpool_agent.config import EVICTION_POLICIES; "
+        "print(sorted(POLICIES) == sorted(EVICTION_POLICIES), sorted(POLICIES))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("True"), out
 
 
 def use(queue: EvictionQueue, block: FakeBlock, tick: int) -> None:

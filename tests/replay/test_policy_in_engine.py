@@ -1,8 +1,10 @@
-"""The reuse-gap policy inside the real engine keeps the reference's priority semantics."""
+"""The policies beyond LRU inside the real engine keep the reference's priority semantics."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 from kvpool_agent.cache.manager import KVCacheManager
 from kvpool_agent.config import KvCacheConfig
@@ -17,9 +19,10 @@ def block(i: int) -> list[int]:
     return [4 * i + j for j in range(4)]
 
 
-def test_priorities_order_eviction_and_expire_under_reuse_gap() -> None:
+@pytest.mark.parametrize("policy", ["reuse-gap", "mixture"])
+def test_priorities_order_eviction_and_expire(policy: str) -> None:
     now = [0.0]
-    config = KvCacheConfig(tokens_per_block=4, eviction_policy="reuse-gap")
+    config = KvCacheConfig(tokens_per_block=4, eviction_policy=policy)
     manager = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=2, clock=lambda: now[0])
 
     def run(tokens: list[int], retention: dict[str, Any] | None = None) -> int:

@@ -47,7 +47,7 @@ def traces(draw: st.DrawFn) -> Trace:
     return Trace("random", 4, tuple(requests))
 
 
-@pytest.mark.parametrize("policy", ["lru", "reuse-gap"])
+@pytest.mark.parametrize("policy", ["lru", "reuse-gap", "mixture"])
 @settings(max_examples=25, deadline=None)
 @given(trace=traces(), extra=st.integers(0, 4))
 def test_engine_replay_never_beats_the_optimum(policy: str, trace: Trace, extra: int) -> None:
@@ -60,7 +60,7 @@ def test_engine_replay_never_beats_the_optimum(policy: str, trace: Trace, extra:
     assert result.hit_tokens <= result.query_tokens
 
 
-@pytest.mark.parametrize("policy", ["lru", "reuse-gap"])
+@pytest.mark.parametrize("policy", ["lru", "reuse-gap", "mixture"])
 @settings(max_examples=15, deadline=None)
 @given(trace=traces())
 def test_unbounded_capacity_hits_every_repeat(policy: str, trace: Trace) -> None:

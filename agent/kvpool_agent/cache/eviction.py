@@ -8,7 +8,9 @@ policy registered in ``POLICIES`` (``KvCacheConfig.eviction_policy``).
 
 ``EvictionQueue`` owns the priority levels and the expiry heap; a ``LevelQueue`` orders the
 blocks of one level. Both work on ``Evictable`` records and never allocate per operation
-beyond a heap entry.
+beyond a heap entry. A policy that must see every request, not only the blocks that become
+evictable, is a ``SharedPolicy``: one per (group, tier), told each request's block keys
+through ``EvictionQueue.observe`` and making the level queues of that (group, tier).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, cast
 
 from kvpool_agent.config import DEFAULT_PRIORITY, MAX_PRIORITY
 
@@ -103,8 +105,38 @@ class LRUQueue(LevelQueue):
 
 LevelQueueFactory = Callable[[], LevelQueue]
 
-POLICIES: dict[str, LevelQueueFactory] = {"lru": LRUQueue}
+
+class SharedPolicy(ABC):
+    """Policy state shared by every priority level of one (group, tier).
+
+    Made with the tier's capacity in blocks of the group. ``observe`` gets the keys of each
+    request's full blocks, root first, before the engine makes room for the request.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    @abstractmethod
+    def new_level(self) -> LevelQueue:
+        """A queue for one priority level, drawing on the shared state."""
+
+    @abstractmethod
+    def observe(self, keys: Sequence[int], *, scored: bool = True) -> None:
+        """A request for the blocks ``keys``. ``scored`` is False when a sequence only grew
+        (decode, a further chunk): the keys extend a request already observed."""
+
+
+POLICIES: dict[str, LevelQueueFactory | type[SharedPolicy]] = {"lru": LRUQueue}
 """Eviction policies by the name ``KvCacheConfig.eviction_policy`` takes."""
+
+
+def new_eviction_queue(policy: str, capacity: int) -> EvictionQueue:
+    """The queue of one (group, tier) holding ``capacity`` blocks, under ``policy``."""
+    entry = POLICIES[policy]
+    if isinstance(entry, type) and issubclass(entry, SharedPolicy):
+        shared = entry(capacity)
+        return EvictionQueue(shared.new_level, shared)
+    return EvictionQueue(cast(LevelQueueFactory, entry))
 
 
 class EvictionQueue:
@@ -115,10 +147,14 @@ class EvictionQueue:
     level, recorded in ``block.queue_level``; ``queue_stamp`` invalidates old heap entries.
     """
 
-    __slots__ = ("_expiry", "_factory", "_levels", "_nonempty", "_order", "_size")
+    __slots__ = ("_expiry", "_factory", "_levels", "_nonempty", "_order", "_size", "shared")
 
-    def __init__(self, factory: LevelQueueFactory = LRUQueue) -> None:
+    def __init__(
+        self, factory: LevelQueueFactory = LRUQueue, shared: SharedPolicy | None = None
+    ) -> None:
         self._factory = factory
+        self.shared = shared
+        """The policy's state across levels, when it has any (it then observes requests)."""
         self._levels: list[LevelQueue | None] = [None] * (MAX_PRIORITY + 1)
         self._nonempty = 0  # bit p set while level p may hold blocks
         self._size = 0
@@ -178,6 +214,11 @@ class EvictionQueue:
             self._nonempty = bits
         return None
 
+    def observe(self, keys: Sequence[int], *, scored: bool = True) -> None:
+        """Tell a policy that watches requests about one (see ``SharedPolicy.observe``)."""
+        if self.shared is not None:
+            self.shared.observe(keys, scored=scored)
+
     def requeue(self, block: Evictable, now: float) -> None:
         """Re-sort a queued block after its priority or expiry changed."""
         if block.queue_level >= 0:
@@ -201,4 +242,5 @@ def effective_priority(block: Evictable, now: float) -> int:
     return block.priority
 
 
-import kvpool_agent.cache.policies  # noqa: E402, F401  (registers the policies beyond LRU)
+# Register the policies beyond LRU (the mixture imports reuse-gap's module).
+import kvpool_agent.cache.mixture  # noqa: E402, F401

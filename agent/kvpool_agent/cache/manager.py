@@ -49,7 +49,7 @@ from kvpool_agent.cache.events import (
     EventQueue,
     RemovalReason,
 )
-from kvpool_agent.cache.eviction import POLICIES, EvictionQueue, effective_priority
+from kvpool_agent.cache.eviction import EvictionQueue, effective_priority, new_eviction_queue
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.sizing import PoolPlan, build_pools, plan_pools
 from kvpool_agent.cache.stats import CacheStats, GhostList
@@ -92,6 +92,7 @@ class _Sequence:
         "namespace",
         "nodes",
         "num_prompt",
+        "observed",
         "retention",
         "reused",
         "seq_id",
@@ -118,6 +119,8 @@ class _Sequence:
         """Per group, the block of each block index (None once released from a window)."""
         self.committed_blocks = 0
         self.reused = 0
+        self.observed = 0
+        """Leading full blocks the eviction policy has been told about."""
         self.slide_from = 0
         """Tokens before the latest appended chunk: windows are kept relative to it."""
 
@@ -164,6 +167,8 @@ class KVCacheManager:
             for g in range(self._num_groups)
             for a in (self._alloc[PRIMARY],)
         ]
+        self._observers: list[EvictionQueue] = []
+        """The queues whose policy watches every request (``SharedPolicy``)."""
         self._queues = self._new_queues(config.eviction_policy)
         self._pinned = [[0] * self._num_groups, [0] * self._num_groups]
         self._roots: dict[int, TreeNode] = {}
@@ -216,11 +221,20 @@ class KVCacheManager:
         )
 
     def _new_queues(self, policy: str) -> tuple[list[EvictionQueue], list[EvictionQueue]]:
-        factory = POLICIES[policy]
-        return (
-            [EvictionQueue(factory) for _ in range(self._num_groups)],
-            [EvictionQueue(factory) for _ in range(self._num_groups)],
+        """One queue per (tier, group), sized for policies that model the tier: the host
+        tier's queue gets the device and host capacity together, since a block leaves the
+        pair only when it leaves the host tier."""
+        device = self.plan.primary.group_blocks
+        host = self.plan.secondary.group_blocks
+        queues = (
+            [new_eviction_queue(policy, device[g]) for g in range(self._num_groups)],
+            [
+                new_eviction_queue(policy if host[g] else "lru", device[g] + host[g])
+                for g in range(self._num_groups)
+            ],
         )
+        self._observers = [q for tier in queues for q in tier if q.shared is not None]
+        return queues
 
     # ----------------------------------------------------------------- public API
 
@@ -294,6 +308,11 @@ class KVCacheManager:
         seq = _Sequence(self._next_seq, namespace, toks, policy, self._num_groups)
         self._next_seq += 1
         seq.nodes = path
+        if self._observers and self.config.enable_block_reuse:
+            keys = self._block_keys(namespace, toks, path)
+            for queue in self._observers:
+                queue.observe(keys)
+            seq.observed = len(keys)
         from_host = sum(
             1 for node in path if any(b is not None and b.tier == SECONDARY for b in node.blocks)
         )
@@ -908,6 +927,11 @@ class KVCacheManager:
             seq.nodes.append(node)
             parent = node
         seq.committed_blocks = full
+        if self._observers and full > seq.observed:
+            keys = [node.key for node in seq.nodes]
+            for queue in self._observers:
+                queue.observe(keys, scored=False)
+            seq.observed = full
 
     def _store(
         self, parent: TreeNode, tokens: tuple[int, ...], seq: _Sequence, j: int, now: float
@@ -1020,6 +1044,17 @@ class KVCacheManager:
                     self._queues[tier][g].push(block, now)
 
     # ----------------------------------------------------------------- bookkeeping
+
+    def _block_keys(self, namespace: int, toks: list[int], path: list[TreeNode]) -> list[int]:
+        """The node keys of every full block of ``toks``: the matched ones, then the keys the
+        rest will be stored under."""
+        keys = [node.key for node in path]
+        key = keys[-1] if keys else namespace
+        tpb = self.tpb
+        for j in range(len(path), len(toks) // tpb):
+            key = hash((key, tuple(toks[j * tpb : (j + 1) * tpb])))
+            keys.append(key)
+        return keys
 
     def _ghost_hits(self, namespace: int, toks: list[int], path: list[TreeNode]) -> int:
         """Missed blocks right after the match whose keys the ghost list remembers: a bigger

@@ -1,0 +1,198 @@
+"""The "mixture" eviction policy: follow whichever of several policies is hitting most.
+
+No single online policy wins on every workload: ``reuse-gap`` is best where conversations
+and shared prompts come back on a schedule, an LFU-like order where a small cache must
+hold a stable hot set, ARC where recency and frequency trade places. The mixture runs one
+metadata-only shadow cache per expert policy (``kvpool_agent.cache.shadow``), each of the
+real tier's capacity and fed every request, and scores each expert by its own hits,
+decayed with a half-life of ``horizon`` capacities of block accesses. The expert with the
+highest score leads.
+
+The real cache evicts first the evictable leaves the leader does not hold, least recently
+used first, and only then (LRU) the rest. Why that converges on the leader: when the real
+cache must make room, its blocks and the request's exceed the capacity, while the leader
+holds the request within the capacity, so some real block is missing from the leader, and
+with it (prefix closure) some leaf below it, which is not pinned. So the real cache never
+evicts a block the leader holds, and becomes a subset of the leader's cache. After the
+leader changes, the real cache keeps the old leader's blocks until it needs their room,
+which is why the mixture can beat each of its experts.
+
+Priorities and ``duration_ms`` are untouched: ``EvictionQueue`` orders levels and expiry,
+and the mixture only orders blocks within a level. The shadows model one prefix-closed
+tier; for a window group or the host tier (whose shadows get the device and host
+capacity together) they are a heuristic, not a model, and the follower rule still only
+reorders blocks that are evictable anyway.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+
+from kvpool_agent.cache.eviction import POLICIES, Evictable, LevelQueue, SharedPolicy
+from kvpool_agent.cache.experts import ARCQueue, LRFUQueue
+from kvpool_agent.cache.policies import ReuseGapQueue
+from kvpool_agent.cache.shadow import ShadowCache
+
+ExpertFactory = Callable[[int], LevelQueue]
+"""Makes an expert's queue for a shadow of the given capacity."""
+
+DEFAULT_EXPERTS: tuple[tuple[str, ExpertFactory], ...] = (
+    ("reuse-gap", lambda capacity: ReuseGapQueue()),
+    ("lrfu", LRFUQueue),
+    ("arc", ARCQueue),
+)
+"""The experts, in the order that breaks ties in score (the first leads at start)."""
+
+
+class MixturePolicy(SharedPolicy):
+    """Shadow experts, their scores, and the level queues that follow the leader."""
+
+    horizon = 3.0
+    """Half-life of an expert's hit score, in capacities of block accesses."""
+
+    def __init__(
+        self, capacity: int, experts: Sequence[tuple[str, ExpertFactory]] = DEFAULT_EXPERTS
+    ) -> None:
+        super().__init__(capacity)
+        if not experts:
+            raise ValueError("a mixture needs at least one expert")
+        size = max(1, capacity)
+        self.names = [name for name, _ in experts]
+        self.shadows = [ShadowCache(size, make(size)) for _, make in experts]
+        self.scores = [0.0] * len(experts)
+        self.leader = 0
+        self.switches = 0
+        self._next_leader = 0
+        self._decay = 0.5 ** (1.0 / (self.horizon * size))
+        self._dirty: set[int] = set()
+        self._where: dict[int, tuple[MixQueue, Evictable]] = {}
+        """Key of every queued block -> the level queue holding it, and the block."""
+        for index, shadow in enumerate(self.shadows):
+            shadow.on_change = self._watcher(index)
+
+    def _watcher(self, index: int) -> Callable[[int], None]:
+        dirty = self._dirty
+
+        def changed(key: int) -> None:
+            if self.leader == index:
+                dirty.add(key)
+
+        return changed
+
+    def new_level(self) -> MixQueue:
+        return MixQueue(self)
+
+    def observe(self, keys: Sequence[int], *, scored: bool = True) -> None:
+        if not keys:
+            return
+        if self._next_leader != self.leader:
+            self.leader = self._next_leader
+            self.switches += 1
+            self._dirty.clear()
+            for key, (queue, block) in list(self._where.items()):
+                queue.rebucket(block, key)
+        decay = self._decay ** len(keys)
+        scores = self.scores
+        for index, shadow in enumerate(self.shadows):
+            hits = shadow.step(keys)
+            if scored:
+                scores[index] = scores[index] * decay + hits
+        best = max(range(len(scores)), key=scores.__getitem__)
+        if scores[best] > scores[self.leader]:
+            self._next_leader = best
+
+    def leader_holds(self, key: int) -> bool:
+        return key in self.shadows[self.leader]
+
+    def track(self, key: int, queue: MixQueue, block: Evictable) -> None:
+        """``block`` (stored under ``key``) was queued in ``queue``."""
+        self._where[key] = (queue, block)
+
+    def untrack(self, key: int, block: Evictable) -> None:
+        """``block`` left its queue (a newer block under the same key may have replaced it)."""
+        found = self._where.get(key)
+        if found is not None and found[1] is block:
+            del self._where[key]
+
+    def flush(self) -> None:
+        """Re-bucket the queued blocks whose key entered or left the leader's cache."""
+        where = self._where
+        for key in self._dirty:
+            found = where.get(key)
+            if found is not None:
+                found[0].rebucket(found[1], key)
+        self._dirty.clear()
+
+
+class MixQueue(LevelQueue):
+    """One priority level's blocks in two LRU heaps: those the leader lacks, evicted
+    first, and those it holds."""
+
+    __slots__ = ("_entries", "_heaps", "_order", "_policy")
+
+    def __init__(self, policy: MixturePolicy) -> None:
+        self._policy = policy
+        self._heaps: tuple[list[tuple[int, int, Evictable]], ...] = ([], [])
+        self._entries: dict[Evictable, tuple[int, int, int]] = {}
+        """Queued block -> (its key, the sequence number of its current heap entry, heap)."""
+        self._order = itertools.count()
+
+    def push(self, block: Evictable) -> None:
+        key = _key(block)
+        self._place(block, key)
+        self._policy.track(key, self, block)
+
+    def _place(self, block: Evictable, key: int) -> None:
+        heap = 1 if self._policy.leader_holds(key) else 0
+        seq = next(self._order)
+        heapq.heappush(self._heaps[heap], (block.last_used, seq, block))
+        self._entries[block] = (key, seq, heap)
+
+    def rebucket(self, block: Evictable, key: int) -> None:
+        """Move ``block`` to the heap the leader's cache now says."""
+        entry = self._entries.get(block)
+        if entry is not None and entry[2] != (1 if self._policy.leader_holds(key) else 0):
+            self._place(block, key)
+            self._compact()
+
+    def discard(self, block: Evictable) -> None:
+        entry = self._entries.pop(block, None)
+        if entry is not None:
+            self._policy.untrack(entry[0], block)
+        self._compact()
+
+    def pop(self) -> Evictable | None:
+        self._policy.flush()
+        entries = self._entries
+        for heap in self._heaps:
+            while heap:
+                _, seq, block = heapq.heappop(heap)
+                entry = entries.get(block)
+                if entry is not None and entry[1] == seq:
+                    del entries[block]
+                    self._policy.untrack(entry[0], block)
+                    return block
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _compact(self) -> None:
+        live = len(self._entries)
+        for heap in self._heaps:
+            if len(heap) > 64 and len(heap) > 2 * live:
+                heap[:] = [e for e in heap if self._entries.get(e[2], (0, -1))[1] == e[1]]
+                heapq.heapify(heap)
+
+
+def _key(block: Evictable) -> int:
+    node = getattr(block, "node", None)
+    if node is None:
+        raise TypeError(f"block {block.block_id} has no tree node; only stored blocks are queued")
+    key: int = node.key
+    return key
+
+
+POLICIES["mixture"] = MixturePolicy
