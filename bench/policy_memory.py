@@ -1,0 +1,141 @@
+"""Host memory of the cache engine's metadata per block of capacity, by eviction policy.
+
+The mixture policy keeps three shadow caches (keys, tree links, each expert's history)
+beside the real radix tree; this measures what they cost. For each policy a
+``KVCacheManager`` with the replay geometry (1 layer, 1 head, head dim 1, so its KV tensors
+are negligible, and torch's allocations are not traced anyway) serves a workload, and
+``tracemalloc`` reports the Python memory the manager still holds afterwards. The baseline is
+plain LRU, measured in the same run.
+
+Workloads: "distinct" (64-block requests that are all new: every history grows to its
+bound, the worst case) and "synthetic" (the Mooncake trace at 10% of its unique blocks).
+
+    python bench/policy_memory.py [--capacity 20000] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tracemalloc
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvpool_agent.cache import KVCacheManager
+from kvpool_agent.config import EVICTION_POLICIES, KvCacheConfig
+from kvpool_agent.replay.runner import REPLAY_MODEL
+from kvpool_agent.traces import load_trace
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+BLOCK = 64  # blocks per request of the distinct workload
+
+
+@dataclass
+class Row:
+    workload: str
+    policy: str
+    capacity_blocks: int
+    bytes_per_block: float
+    ratio_to_lru: float = 0.0
+
+
+def distinct(capacity: int) -> tuple[int, list[list[int]]]:
+    """Ten capacities' worth of new blocks, 64 per request."""
+    count = 10 * capacity // BLOCK
+    return 16, [list(range(r * BLOCK, (r + 1) * BLOCK)) for r in range(count)]
+
+
+def synthetic() -> tuple[int, int, list[list[int]]]:
+    trace = load_trace(TRACE)
+    requests = [list(r.hash_ids) for r in trace.requests if r.hash_ids]
+    return trace.block_size, trace.capacity_blocks(0.10), requests
+
+
+def held_bytes(policy: str, tpb: int, capacity: int, requests: list[list[int]]) -> int:
+    """Python memory a manager under ``policy`` holds after serving ``requests``."""
+    gc.collect()
+    tracemalloc.start()
+    config = KvCacheConfig(tokens_per_block=tpb, event_buffer_max_size=0, eviction_policy=policy)
+    manager = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=capacity)
+    for ids in requests:
+        tokens = [t for h in ids for t in range(h * tpb, (h + 1) * tpb)]
+        handle = manager.open_sequence(tokens, recompute_last_token=False)
+        manager.release(handle.seq_id)
+    gc.collect()
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del manager
+    return held
+
+
+def workloads(capacity: int) -> Iterator[tuple[str, int, int, list[list[int]]]]:
+    tpb, requests = distinct(capacity)
+    yield "distinct", tpb, capacity, requests
+    tpb, cap, requests = synthetic()
+    yield "synthetic@10%", tpb, cap, requests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--capacity", type=int, default=20_000, help="blocks, distinct workload")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    rows: list[Row] = []
+    cases = list(workloads(args.capacity))
+    with Progress() as progress:
+        task = progress.add_task("policy memory", total=len(cases) * len(EVICTION_POLICIES))
+        for name, tpb, capacity, requests in cases:
+            for policy in EVICTION_POLICIES:
+                held = held_bytes(policy, tpb, capacity, requests)
+                rows.append(Row(name, policy, capacity, held / capacity))
+                progress.advance(task)
+    base = {r.workload: r.bytes_per_block for r in rows if r.policy == "lru"}
+    for r in rows:
+        r.ratio_to_lru = r.bytes_per_block / base[r.workload]
+    table = Table(title="engine metadata (Python heap) per block of capacity")
+    for col in ("workload", "capacity", "policy", "bytes / block", "vs lru"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r.workload,
+            str(r.capacity_blocks),
+            r.policy,
+            f"{r.bytes_per_block:.0f}",
+            f"{r.ratio_to_lru:.2f}x",
+        )
+    Console().print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "policy_memory.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    _plot(rows, args.out / "policy_memory.png")
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.workload for r in rows))
+    width = 0.8 / len(EVICTION_POLICIES)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, policy in enumerate(EVICTION_POLICIES):
+        per = {r.workload: r.bytes_per_block for r in rows if r.policy == policy}
+        values = [per[name] for name in names]
+        ax.bar([j + (i - 1) * width for j in range(len(names))], values, width, label=policy)
+    ax.set_xticks(list(range(len(names))), names)
+    ax.set_ylabel("bytes of Python heap per block of capacity")
+    ax.set_title("engine metadata by eviction policy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
