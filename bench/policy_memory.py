@@ -29,7 +29,7 @@ from rich.table import Table
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.config import EVICTION_POLICIES, KvCacheConfig
-from kvpool_agent.replay.runner import REPLAY_MODEL
+from kvpool_agent.replay.runner import REPLAY_MODEL, block_tokens
 from kvpool_agent.traces import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
@@ -64,7 +64,7 @@ def held_bytes(policy: str, tpb: int, capacity: int, requests: list[list[int]]) 
     config = KvCacheConfig(tokens_per_block=tpb, event_buffer_max_size=0, eviction_policy=policy)
     manager = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=capacity)
     for ids in requests:
-        tokens = [t for h in ids for t in range(h * tpb, (h + 1) * tpb)]
+        tokens = [t for h in ids for t in block_tokens(h, tpb)]
         handle = manager.open_sequence(tokens, recompute_last_token=False)
         manager.release(handle.seq_id)
     gc.collect()

@@ -78,7 +78,7 @@ def replay(
             continue
         tokens: list[int] = []
         for h in ids:
-            tokens.extend(range(h * size, h * size + size))
+            tokens.extend(block_tokens(h, size))
         handle = manager.open_sequence(tokens, recompute_last_token=False)
         reused = handle.num_reused_tokens // size
         manager.release(handle.seq_id)
