@@ -101,3 +101,20 @@ def test_out_of_blocks_with_reusable_prefix_unpins_it_again() -> None:
         mgr.open_sequence(list(range(8)) + list(range(60, 68)))
     assert state_snapshot(mgr)[:5] == before[:5]
     mgr.release(hold.seq_id)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([3, 2, -1, 0.5], "non-negative, got -1"),
+        ([3, 0.5, -1], r"ints, got float \(0.5\)"),
+        ([1, True], r"ints, got bool \(True\)"),
+        ((7, -7), "non-negative, got -7"),
+    ],
+)
+def test_bad_tokens_are_named_in_the_error(tokens: list[Any], message: str) -> None:
+    """The first offending token, in prompt order, is the one the error names."""
+    mgr = make_manager(8)
+    with pytest.raises(InvalidTokensError, match=message):
+        mgr.open_sequence(tokens)
+    assert mgr.open_sequence(range(5)).num_tokens == 5
