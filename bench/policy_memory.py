@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import tracemalloc
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from kvpool_agent.replay.runner import REPLAY_MODEL, block_tokens
 from kvpool_agent.traces import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
-BLOCK = 64  # blocks per request of the distinct workload
+BLOCKS_PER_REQUEST = 64  # of the distinct workload
 
 
 @dataclass
@@ -45,16 +44,22 @@ class Row:
     ratio_to_lru: float = 0.0
 
 
-def distinct(capacity: int) -> tuple[int, list[list[int]]]:
+Workload = tuple[str, int, int, list[list[int]]]
+"""Name, tokens per block, capacity in blocks, and each request's block ids."""
+
+
+def distinct(capacity: int) -> Workload:
     """Ten capacities' worth of new blocks, 64 per request."""
-    count = 10 * capacity // BLOCK
-    return 16, [list(range(r * BLOCK, (r + 1) * BLOCK)) for r in range(count)]
+    n = BLOCKS_PER_REQUEST
+    requests = [list(range(r * n, (r + 1) * n)) for r in range(10 * capacity // n)]
+    return "distinct", 16, capacity, requests
 
 
-def synthetic() -> tuple[int, int, list[list[int]]]:
+def synthetic() -> Workload:
+    """The Mooncake trace at 10% of its unique blocks."""
     trace = load_trace(TRACE)
     requests = [list(r.hash_ids) for r in trace.requests if r.hash_ids]
-    return trace.block_size, trace.capacity_blocks(0.10), requests
+    return "synthetic@10%", trace.block_size, trace.capacity_blocks(0.10), requests
 
 
 def held_bytes(policy: str, tpb: int, capacity: int, requests: list[list[int]]) -> int:
@@ -74,20 +79,13 @@ def held_bytes(policy: str, tpb: int, capacity: int, requests: list[list[int]]) 
     return held
 
 
-def workloads(capacity: int) -> Iterator[tuple[str, int, int, list[list[int]]]]:
-    tpb, requests = distinct(capacity)
-    yield "distinct", tpb, capacity, requests
-    tpb, cap, requests = synthetic()
-    yield "synthetic@10%", tpb, cap, requests
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=20_000, help="blocks, distinct workload")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     rows: list[Row] = []
-    cases = list(workloads(args.capacity))
+    cases = [distinct(args.capacity), synthetic()]
     with Progress() as progress:
         task = progress.add_task("policy memory", total=len(cases) * len(EVICTION_POLICIES))
         for name, tpb, capacity, requests in cases:
@@ -122,12 +120,14 @@ def _plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r.workload for r in rows))
-    width = 0.8 / len(EVICTION_POLICIES)
+    count = len(EVICTION_POLICIES)
+    width = 0.8 / count
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, policy in enumerate(EVICTION_POLICIES):
         per = {r.workload: r.bytes_per_block for r in rows if r.policy == policy}
         values = [per[name] for name in names]
-        ax.bar([j + (i - 1) * width for j in range(len(names))], values, width, label=policy)
+        offset = (i - (count - 1) / 2) * width
+        ax.bar([j + offset for j in range(len(names))], values, width, label=policy)
     ax.set_xticks(list(range(len(names))), names)
     ax.set_ylabel("bytes of Python heap per block of capacity")
     ax.set_title("engine metadata by eviction policy")
