@@ -4,9 +4,18 @@ No single online policy wins on every workload: ``reuse-gap`` is best where conv
 and shared prompts come back on a schedule, an LFU-like order where a small cache must
 hold a stable hot set, ARC where recency and frequency trade places. The mixture runs one
 metadata-only shadow cache per expert policy (``kvpool_agent.cache.shadow``), each of the
-real tier's capacity and fed every request, and scores each expert by its own hits,
-decayed with a half-life of ``horizon`` capacities of block accesses. The expert with the
-highest score leads.
+real tier's capacity and fed every request, and scores each expert by its own hits. The
+expert with the highest score leads.
+
+Scores decay with a half-life of ``horizon`` capacities of *disagreement*: each request
+ages them by the spread of the experts' hits on it (the best expert's hits minus the
+worst's), not by its length. A request on which every expert hits alike (a one-off prompt
+that all miss, a hot prefix that all hold) says nothing about which to follow; clocked by
+block accesses, such requests flushed the evidence from a small cache, where the experts
+differ on a few requests in a hundred, and the lead went to whichever had been lucky
+lately. Clocked by disagreement, the scores always hold about the same amount of evidence
+that tells the experts apart, over a short stretch where they differ often and a long one
+where they rarely do.
 
 The real cache evicts first the evictable leaves the leader does not hold, least recently
 used first, and only then (LRU) the rest. Why that converges on the leader: when the real
@@ -49,8 +58,9 @@ DEFAULT_EXPERTS: tuple[tuple[str, ExpertFactory], ...] = (
 class MixturePolicy(SharedPolicy):
     """Shadow experts, their scores, and the level queues that follow the leader."""
 
-    horizon = 3.0
-    """Half-life of an expert's hit score, in capacities of block accesses."""
+    horizon = 0.25
+    """Half-life of an expert's hit score, in capacities of disagreement: blocks by which
+    the best expert's hits exceeded the worst's, summed over requests."""
 
     def __init__(
         self, capacity: int, experts: Sequence[tuple[str, ExpertFactory]] = DEFAULT_EXPERTS
@@ -93,12 +103,13 @@ class MixturePolicy(SharedPolicy):
             self._dirty.clear()
             for key, (queue, block) in list(self._where.items()):
                 queue.rebucket(block, key)
-        decay = self._decay ** len(keys)
+        hits = [shadow.step(keys) for shadow in self.shadows]
+        if not scored:
+            return
+        decay = self._decay ** (max(hits) - min(hits))
         scores = self.scores
-        for index, shadow in enumerate(self.shadows):
-            hits = shadow.step(keys)
-            if scored:
-                scores[index] = scores[index] * decay + hits
+        for index, got in enumerate(hits):
+            scores[index] = scores[index] * decay + got
         best = max(range(len(scores)), key=scores.__getitem__)
         if scores[best] > scores[self.leader]:
             self._next_leader = best
