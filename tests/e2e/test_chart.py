@@ -635,11 +635,17 @@ def test_two_replicas_one_works_the_other_takes_over(
                     logs[0], unrefused(logs[1], exists(cluster, "statefulset", name, namespace))
                 ),
             )
+
             # Under load the first peer to resume may pause again once it sees a higher
-            # priority: which one works is decided by peering, so find it by what it did.
-            creators = [i for i, log in enumerate(logs) if "Created" in log.read_text()]
-            assert len(creators) == 1, f"exactly one replica reconciles, got {creators}"
-            (active,) = creators
+            # priority: which one works is decided by peering, so find it by what it did. Its
+            # "Created" event comes after all the children, so the StatefulSet may be there
+            # before the line is in its log.
+            def creators() -> list[int]:
+                return [i for i, log in enumerate(logs) if "Created" in log.read_text()]
+
+            wait_until("an operator to log what it created", lambda: bool(creators()))
+            assert len(creators()) == 1, f"exactly one replica reconciles, got {creators()}"
+            (active,) = creators()
             standby = 1 - active
             assert working() == [active]
 
