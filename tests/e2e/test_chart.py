@@ -644,8 +644,9 @@ def test_two_replicas_one_works_the_other_takes_over(
                 return [i for i, log in enumerate(logs) if "Created" in log.read_text()]
 
             wait_until("an operator to log what it created", lambda: bool(creators()))
-            assert len(creators()) == 1, f"exactly one replica reconciles, got {creators()}"
-            (active,) = creators()
+            found = creators()
+            assert len(found) == 1, f"exactly one replica reconciles, got {found}"
+            (active,) = found
             standby = 1 - active
             assert working() == [active]
 
