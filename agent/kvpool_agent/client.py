@@ -64,7 +64,11 @@ class RemoteSequence:
 
 class PoolClient:
     """Opens sequences on the replica their prefix maps to; falls over to the next-ranked
-    replica when one refuses for now (503: draining or full) or cannot be reached."""
+    replica when one refuses for now (503: draining or full) or cannot be reached.
+
+    ``token`` is the tenant's bearer token (the ``token`` key of the pool's
+    ``<pool>-tenant-<name>`` Secret); without it only an agent without credentials answers.
+    """
 
     def __init__(
         self,
@@ -74,6 +78,7 @@ class PoolClient:
         affinity_blocks: int = DEFAULT_AFFINITY_BLOCKS,
         timeout: float = 10.0,
         client: httpx.Client | None = None,
+        token: str | None = None,
     ) -> None:
         self.replicas = sorted({r.rstrip("/") for r in replicas})
         if not self.replicas:
@@ -81,6 +86,7 @@ class PoolClient:
         self.tokens_per_block = tokens_per_block
         self.affinity_blocks = affinity_blocks
         self.http = client if client is not None else httpx.Client(timeout=timeout)
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
 
     def close(self) -> None:
         self.http.close()
@@ -124,7 +130,7 @@ class PoolClient:
         last: Exception | None = None
         for replica in self.ranking(tokens, cache_salt):
             try:
-                resp = self.http.post(f"{replica}/v1/sequences", json=body)
+                resp = self.http.post(f"{replica}/v1/sequences", json=body, headers=self.headers)
             except httpx.TransportError as err:
                 last = err
                 continue
@@ -146,7 +152,9 @@ class PoolClient:
 
     def append(self, seq: RemoteSequence, tokens: Sequence[int]) -> dict[str, Any]:
         resp = self.http.post(
-            f"{seq.replica}/v1/sequences/{seq.seq_id}/tokens", json={"tokens": list(tokens)}
+            f"{seq.replica}/v1/sequences/{seq.seq_id}/tokens",
+            json={"tokens": list(tokens)},
+            headers=self.headers,
         )
         resp.raise_for_status()
         doc: dict[str, Any] = resp.json()
@@ -154,6 +162,8 @@ class PoolClient:
 
     def release(self, seq: RemoteSequence, *, discard: bool = False) -> None:
         resp = self.http.delete(
-            f"{seq.replica}/v1/sequences/{seq.seq_id}", params={"discard": str(discard).lower()}
+            f"{seq.replica}/v1/sequences/{seq.seq_id}",
+            params={"discard": str(discard).lower()},
+            headers=self.headers,
         )
         resp.raise_for_status()

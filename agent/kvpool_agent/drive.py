@@ -135,17 +135,32 @@ class PoolEndpoints:
 
     urls: list[str]
     tokens_per_block: int
+    token: str | None = None
+    """The tenant's token from the pool's ``<pool>-tenant-<tenant>`` Secret (None: no Secret)."""
+
+
+def tenant_secret_name(pool: str, tenant: str) -> str:
+    """The Secret the operator keeps a generated tenant's token in (key ``token``)."""
+    return f"{pool}-tenant-{tenant}"
 
 
 def pool_endpoints(
-    name: str, namespace: str, kubeconfig: str | None = None, port: int = AGENT_PORT
+    name: str,
+    namespace: str,
+    kubeconfig: str | None = None,
+    port: int = AGENT_PORT,
+    tenant: str | None = None,
 ) -> PoolEndpoints:
-    """Running, ready pods of pool ``name`` (its ``status.selector``) as agent URLs.
+    """Running, ready pods of pool ``name`` (its ``status.selector``) as agent URLs, and the
+    token of ``tenant`` when given (read from its Secret with the same credentials).
 
     Pods are reached by pod IP: the dev cluster gives them loopback IPs but no Service
     endpoints, and a client inside a real cluster can do the same.
     """
+    import base64
+
     from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
 
     api_client = config.new_client_from_config(config_file=kubeconfig)
     try:
@@ -158,9 +173,19 @@ def pool_endpoints(
         )
         cache = (pool.get("spec") or {}).get("kvCacheConfig") or {}
         tokens_per_block = int(cache.get("tokensPerBlock", 32))
-        pods: Any = client.CoreV1Api(api_client).list_namespaced_pod(
-            namespace, label_selector=selector
-        )
+        core = client.CoreV1Api(api_client)
+        pods: Any = core.list_namespaced_pod(namespace, label_selector=selector)
+        token = None
+        if tenant is not None:
+            try:
+                secret: Any = core.read_namespaced_secret(
+                    tenant_secret_name(name, tenant), namespace
+                )
+                raw = (secret.data or {}).get("token")
+                token = base64.b64decode(raw).decode().strip() if raw else None
+            except ApiException as err:
+                if err.status != 404:
+                    raise
     finally:
         api_client.close()
     ips = []
@@ -171,4 +196,6 @@ def pool_endpoints(
         ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
         if ready and status.pod_ip:
             ips.append(status.pod_ip)
-    return PoolEndpoints(urls=endpoint_urls(sorted(ips), port), tokens_per_block=tokens_per_block)
+    return PoolEndpoints(
+        urls=endpoint_urls(sorted(ips), port), tokens_per_block=tokens_per_block, token=token
+    )

@@ -64,7 +64,7 @@ def snapshot_state(service: AgentService) -> tuple[Any, ...]:
         eng.num_open_sequences,
         eng.num_nodes,
         tuple(tuple(sorted(row.items())) for row in eng.usage()),
-        tuple(sorted(service.handles)),
+        tuple(sorted(service.sequences)),
         service.publisher.next_seq,
         bytes(eng.storage[0].arena.numpy().tobytes()),
     )

@@ -317,9 +317,9 @@ async def test_fuzzed_open_bodies_get_4xx_or_a_consistent_201(
 async def test_fuzzed_bodies_on_other_routes_change_nothing_when_refused(
     client: httpx.AsyncClient, service: AgentService, route: str, body: Any
 ) -> None:
-    if not service.handles:
+    if not service.sequences:
         await open_seq(client, [1, 2, 3, 4, 5, 6])
-    sid = next(iter(service.handles))
+    sid = next(iter(service.sequences))
     before = snapshot_state(service)
     resp = await client.post(route.replace("{id}", str(sid)), json=body)
     assert resp.status_code < 500, resp.text

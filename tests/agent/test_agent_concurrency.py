@@ -38,7 +38,7 @@ async def test_many_concurrent_clients(client: httpx.AsyncClient, service: Agent
     assert len(flat) > 100
     assert all(r in (0, 2 * TPB) for r in flat)
     assert sum(1 for r in flat if r == 2 * TPB) >= len(flat) - 8  # all but the first per prefix
-    assert service.engine.num_open_sequences == 0 and not service.handles
+    assert service.engine.num_open_sequences == 0 and not service.sequences
     usage = service.engine.usage()[0]
     assert usage["blocks_pinned"] == 0
     batches = (await client.get("/v1/events")).json()

@@ -33,10 +33,11 @@ async def test_readyz_says_why_it_is_not_ready() -> None:
 
 async def test_host_and_port_flags_override_the_file_and_the_event_hosts() -> None:
     cfg = small_config(events={"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"})
-    overrides = endpoint_overrides(cfg, "127.0.0.5", 8001)
+    overrides = endpoint_overrides("127.0.0.5", 8001)
     new = apply_overrides(cfg, overrides)
     assert (new.server.host, new.server.port) == ("127.0.0.5", 8001)
-    assert new.events.endpoint == "tcp://127.0.0.5:5557"
-    assert new.events.replay_endpoint == "tcp://127.0.0.5:5558"
-    assert endpoint_overrides(cfg, None, None) == {}
+    svc = AgentService(new)  # a * event host is the server host
+    assert svc.publisher.endpoint == "tcp://127.0.0.5:5557"
+    assert svc.publisher.replay_endpoint == "tcp://127.0.0.5:5558"
+    assert endpoint_overrides(None, None) == {}
     assert small_config().server.port == 8000

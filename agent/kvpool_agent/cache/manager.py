@@ -446,6 +446,11 @@ class KVCacheManager:
     def num_open_sequences(self) -> int:
         return len(self._sequences)
 
+    @property
+    def group_capacity(self) -> list[int]:
+        """Most primary blocks each pool group can hold (every chunk of the tier)."""
+        return list(self._max_blocks)
+
     def usage(self) -> list[dict[str, int | str]]:
         """Blocks used, free and total of every pool in every tier."""
         out: list[dict[str, int | str]] = []

@@ -13,6 +13,12 @@ from pydantic.alias_generators import to_camel
 
 from kvpool_agent.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 
+MAX_DURATION_MS = 366 * 24 * 3600 * 1000
+"""Longest retention duration (a year): a bound, so no duration overflows a clock."""
+MAX_RANGES = 64
+"""Most token ranges in one policy: each is checked per block of the request."""
+MAX_TOKEN_INDEX = 1 << 40
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(
@@ -23,10 +29,10 @@ class _Model(BaseModel):
 class TokenRangeRetentionConfig(_Model):
     """Priority of prompt tokens ``[token_start, token_end)``; no ``token_end``: to the end."""
 
-    token_start: int = Field(0, ge=0)
-    token_end: int | None = Field(None, gt=0)
+    token_start: int = Field(0, ge=0, le=MAX_TOKEN_INDEX)
+    token_end: int | None = Field(None, gt=0, le=MAX_TOKEN_INDEX)
     priority: int = Field(..., ge=MIN_PRIORITY, le=MAX_PRIORITY)
-    duration_ms: int | None = Field(None, ge=0)
+    duration_ms: int | None = Field(None, ge=0, le=MAX_DURATION_MS)
 
     @model_validator(mode="after")
     def _ordered(self) -> TokenRangeRetentionConfig:
@@ -40,9 +46,11 @@ class TokenRangeRetentionConfig(_Model):
 class KvCacheRetentionConfig(_Model):
     """A request's retention policy."""
 
-    token_range_retention_configs: list[TokenRangeRetentionConfig] = Field(default_factory=list)
+    token_range_retention_configs: list[TokenRangeRetentionConfig] = Field(
+        default_factory=list, max_length=MAX_RANGES
+    )
     decode_retention_priority: int = Field(DEFAULT_PRIORITY, ge=MIN_PRIORITY, le=MAX_PRIORITY)
-    decode_duration_ms: int | None = Field(None, ge=0)
+    decode_duration_ms: int | None = Field(None, ge=0, le=MAX_DURATION_MS)
 
     def block_priority(
         self, start: int, end: int, num_prompt_tokens: int

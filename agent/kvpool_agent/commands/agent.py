@@ -22,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from kvpool_agent.config import load_agent_config
+    from pydantic import ValidationError
+
+    from kvpool_agent.config import ConfigError, format_validation_error, load_agent_config
 
     config = load_agent_config(args.config)  # a bad file fails fast, before torch is imported
 
@@ -32,8 +34,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    overrides = endpoint_overrides(config, args.host, args.port)
-    config = apply_overrides(config, overrides)
+    overrides = endpoint_overrides(args.host, args.port)
+    try:
+        config = apply_overrides(config, overrides)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, args.config)) from None
     try:
         import uvloop  # the faster event loop when installed (the agent extra has it)
     except ImportError:

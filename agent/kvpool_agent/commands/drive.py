@@ -32,10 +32,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the agents' tokens_per_block for prefix affinity (default: the pool's, else 32)",
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP call")
+    parser.add_argument(
+        "--token-file",
+        help="file holding the tenant's bearer token (default: $KVPOOL_TOKEN; with --pool, "
+        "the token in the pool's Secret of --tenant)",
+    )
+    parser.add_argument(
+        "--tenant",
+        default="default",
+        help="with --pool: the tenant whose Secret <pool>-tenant-<tenant> holds the token",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
     import httpx
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -51,9 +64,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rate must be positive, got {args.rate}")
     trace = load_trace(args.trace, block_size=args.block_size).head(args.limit)
     tokens_per_block = args.tokens_per_block or 32
+    token = os.environ.get("KVPOOL_TOKEN") or None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as err:
+            raise ConfigError(f"--token-file: cannot read {args.token_file}: {err}") from None
     if args.pool:
-        found = pool_endpoints(args.pool, args.namespace, args.kubeconfig)
+        found = pool_endpoints(
+            args.pool, args.namespace, args.kubeconfig, tenant=None if token else args.tenant
+        )
         urls = found.urls
+        token = token or found.token
         tokens_per_block = args.tokens_per_block or found.tokens_per_block
         if not urls:
             raise ConfigError(f"--pool: no Running, Ready pod of {args.namespace}/{args.pool}")
@@ -65,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     http = httpx.Client(timeout=args.timeout, trust_env=False)  # pod IPs: never via a proxy
     with (
-        PoolClient(urls, tokens_per_block=tokens_per_block, client=http) as client,
+        PoolClient(urls, tokens_per_block=tokens_per_block, client=http, token=token) as client,
         Progress(
             TextColumn("[bold]drive[/] {task.description}"),
             BarColumn(),

@@ -1,20 +1,26 @@
-"""The HTTP API: parse (pydantic) -> service call -> response. No cache logic lives here.
+"""The HTTP API: authenticate -> parse (pydantic) -> service call -> response.
 
-Errors are 4xx (5xx only for "not now": draining or no free blocks) with ``{"detail": reason}``;
-a refused request changes nothing. The OpenAPI spec is served at ``/openapi.json``.
+No cache logic lives here. Every route but ``/healthz``, ``/readyz`` and ``/metrics`` takes
+``Authorization: Bearer TOKEN`` when the agent has credentials (``kvpool_agent.credentials``):
+a tenant's token for sequences, KV and attention, the pool's peer token for ``/v1/handoff``
+and ``/v1/events``. Errors are 4xx (5xx only for "not now": draining or no free blocks) with
+``{"detail": reason}``; a refused request changes nothing. The OpenAPI spec is served at
+``/openapi.json``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request, Security
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool_agent.cache import (
@@ -23,10 +29,11 @@ from kvpool_agent.cache import (
     InvalidTokensError,
     OutOfBlocksError,
     RequestTooLargeError,
-    SequenceHandle,
     UnknownSequenceError,
 )
+from kvpool_agent.credentials import AuthError, Principal
 from kvpool_agent.server.events import decode_batch
+from kvpool_agent.server.limits import BodyLimits
 from kvpool_agent.server.metrics import AgentMetrics
 from kvpool_agent.server.models import (
     AppendTokensRequest,
@@ -40,7 +47,7 @@ from kvpool_agent.server.models import (
     StatsResponse,
 )
 from kvpool_agent.server.payload import MEDIA_TYPE, PayloadError, decode_tensor, encode_tensor
-from kvpool_agent.server.service import AgentService, RequestError
+from kvpool_agent.server.service import HEAVY_BYTES, AgentService, OpenSequence, RequestError
 from kvpool_agent.server.snapshot import SnapshotError
 
 ENGINE_STATUS: dict[type[CacheError], int] = {
@@ -51,11 +58,33 @@ ENGINE_STATUS: dict[type[CacheError], int] = {
     InvalidRetentionError: 422,
 }
 
-MAX_BODY_BYTES = 1 << 30
-
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 422, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
+
+_bearer = HTTPBearer(auto_error=False, description="A tenant's token, or the pool's peer token.")
+
+
+async def _authenticated(request: Request, _: Annotated[Any, Security(_bearer)]) -> Principal:
+    """The caller's principal, from its bearer token (401 without a valid one)."""
+    service: AgentService = request.app.state.service
+    try:
+        return service.credentials.authenticate(request.headers.get("authorization"))
+    except AuthError as err:
+        service.refusals["unauthenticated"] += 1
+        raise RequestError(err.status, err.reason, {"www-authenticate": "Bearer"}) from None
+
+
+async def _peer(request: Request, principal: Annotated[Principal, Depends(_authenticated)]) -> Principal:
+    """The caller, who must hold the pool's peer token (403 otherwise)."""
+    if not principal.peer:
+        request.app.state.service.refusals["forbidden"] += 1
+        raise RequestError(403, "authorization: this route takes the pool's peer token")
+    return principal
+
+
+Caller = Annotated[Principal, Depends(_authenticated)]
+Peer = Annotated[Principal, Depends(_peer)]
 
 
 def create_app(
@@ -89,11 +118,14 @@ def create_app(
     metrics = AgentMetrics(service)
     app.state.service = service
     app.state.metrics = metrics
+    app.add_middleware(
+        BodyLimits, limits=service.limits, on_refusal=lambda why: service.refusals.update([why])
+    )
     app.add_middleware(_LatencyMiddleware, metrics=metrics)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, err: RequestError) -> JSONResponse:
-        headers = {"retry-after": "1"} if err.status == 503 else None
+        headers = err.headers or ({"retry-after": "1"} if err.status == 503 else None)
         return JSONResponse({"detail": err.reason}, status_code=err.status, headers=headers)
 
     @app.exception_handler(CacheError)
@@ -105,35 +137,41 @@ def create_app(
     # ----------------------------------------------------------------- sequences
 
     @app.post("/v1/sequences", status_code=201, responses=ERRORS, tags=["sequences"])
-    async def open_sequence(body: OpenSequenceRequest) -> SequenceResponse:
-        """Open a sequence: reuse the cached prefix, allocate blocks for the rest."""
-        handle = await service.open(
+    async def open_sequence(body: OpenSequenceRequest, caller: Caller) -> SequenceResponse:
+        """Open a sequence: reuse the cached prefix, allocate blocks for the rest.
+
+        The blocks live in the caller's tenant namespace (``cache_salt`` subdivides it);
+        the returned ``seq_id`` is random and only the same tenant can use it."""
+        seq = await service.open(
+            caller,
             body.tokens,
             body.cache_salt,
             body.extra_keys,
             body.retention,
             body.recompute_last_token,
         )
-        return _sequence(handle)
+        return _sequence(seq)
 
     @app.get("/v1/sequences/{seq_id}", responses=ERRORS, tags=["sequences"])
-    async def get_sequence(seq_id: int) -> SequenceResponse:
-        return _sequence(service.handle(seq_id))
+    async def get_sequence(seq_id: int, caller: Caller) -> SequenceResponse:
+        return _sequence(await service.get(caller, seq_id))
 
     @app.post("/v1/sequences/{seq_id}/tokens", responses=ERRORS, tags=["sequences"])
-    async def append_tokens(seq_id: int, body: AppendTokensRequest) -> SequenceResponse:
+    async def append_tokens(
+        seq_id: int, body: AppendTokensRequest, caller: Caller
+    ) -> SequenceResponse:
         """Append tokens; the KV of every earlier token counts as written."""
-        return _sequence(await service.append(seq_id, body.tokens))
+        return _sequence(await service.append(caller, seq_id, body.tokens))
 
     @app.post("/v1/sequences/{seq_id}/commit", responses=ERRORS, tags=["sequences"])
-    async def commit(seq_id: int) -> SequenceResponse:
+    async def commit(seq_id: int, caller: Caller) -> SequenceResponse:
         """Declare the KV of all tokens written: full blocks become reusable now."""
-        return _sequence(await service.commit(seq_id))
+        return _sequence(await service.commit(caller, seq_id))
 
     @app.delete("/v1/sequences/{seq_id}", status_code=204, responses=ERRORS, tags=["sequences"])
-    async def release(seq_id: int, discard: bool = False) -> Response:
+    async def release(seq_id: int, caller: Caller, discard: bool = False) -> Response:
         """Release; ``discard`` drops blocks whose KV was never written (aborted request)."""
-        await service.release(seq_id, discard)
+        await service.release(caller, seq_id, discard)
         return Response(status_code=204)
 
     # ----------------------------------------------------------------- KV payloads
@@ -152,11 +190,13 @@ def create_app(
         tags=["kv"],
         openapi_extra=kv_body,
     )
-    async def write_kv(seq_id: int, pool: int, start: int, request: Request) -> Response:
+    async def write_kv(
+        seq_id: int, pool: int, start: int, request: Request, caller: Caller
+    ) -> Response:
         """Write blocks ``start..`` of the sequence's table in ``pool`` from a tensor frame
         ``[layers, blocks, 2, tokens_per_block, kv_heads, head_dim]`` (checksum verified)."""
-        kv = _decode(await _read_body(request))
-        await service.write_kv(seq_id, pool, start, kv)
+        kv = await _decode(await request.body())
+        await service.write_kv(caller, seq_id, pool, start, kv)
         return Response(status_code=204)
 
     @app.get(
@@ -166,21 +206,21 @@ def create_app(
         tags=["kv"],
     )
     async def read_kv(
-        seq_id: int, pool: int, start: int, count: int = Query(1, ge=1, le=65536)
+        seq_id: int, pool: int, start: int, caller: Caller, count: int = Query(1, ge=1, le=65536)
     ) -> Response:
         """Read ``count`` blocks as a tensor frame."""
-        kv = await service.read_kv(seq_id, pool, start, count)
+        kv = await service.read_kv(caller, seq_id, pool, start, count)
         return Response(encode_tensor(kv), media_type=MEDIA_TYPE)
 
     @app.post("/v1/attention", responses=ERRORS, tags=["attention"])
-    async def attention(body: AttentionRequest) -> AttentionResponse:
+    async def attention(body: AttentionRequest, caller: Caller) -> AttentionResponse:
         """Attention of a batch of open sequences' last ``q_lens`` tokens over the cache."""
         try:
             q = decode_tensor(base64.b64decode(body.q, validate=True))
         except (binascii.Error, ValueError) as err:
             raise RequestError(400, f"q: {err}") from None
         out, backend = await service.attention(
-            body.seq_ids, body.q_lens, body.layer, body.num_qo_heads, body.causal, q
+            caller, body.seq_ids, body.q_lens, body.layer, body.num_qo_heads, body.causal, q
         )
         return AttentionResponse(
             output=base64.b64encode(encode_tensor(out)).decode(), backend=backend
@@ -188,8 +228,8 @@ def create_app(
 
     # ----------------------------------------------------------------- pool
 
-    @app.get("/v1/stats", tags=["pool"])
-    async def stats() -> StatsResponse:
+    @app.get("/v1/stats", responses=ERRORS, tags=["pool"])
+    async def stats(_: Caller) -> StatsResponse:
         return StatsResponse.model_validate(service.stats_document())
 
     @app.post(
@@ -205,32 +245,44 @@ def create_app(
             }
         },
     )
-    async def receive_handoff(request: Request) -> HandoffResponse:
-        """Load the hottest blocks a draining peer of the same geometry hands over."""
+    async def receive_handoff(request: Request, _: Peer) -> HandoffResponse:
+        """Load the hottest blocks a draining peer of the same pool hands over (peer token)."""
         if service.draining:
             raise RequestError(503, "draining: this agent takes no handoff")
         try:
-            result = await service.import_blocks(await _read_body(request))
+            result = await service.import_blocks(await request.body())
         except SnapshotError as err:
             raise RequestError(409 if "geometry" in str(err) else 400, str(err)) from None
         return HandoffResponse(
             chains=result.chains, blocks_written=result.blocks_written, skipped=result.skipped
         )
 
-    @app.get("/v1/events", tags=["events"])
-    async def replay_events(start_seq: int = Query(0, ge=0)) -> list[ReplayedBatch]:
-        """Published KV event batches from ``start_seq`` on (those still in the buffer)."""
+    @app.get("/v1/events", responses=ERRORS, tags=["events"])
+    async def replay_events(
+        _: Peer,
+        start_seq: int = Query(0, ge=0),
+        limit: int = Query(100, ge=1, description="Most batches returned (bounded by the agent)."),
+    ) -> list[ReplayedBatch]:
+        """Published KV event batches from ``start_seq`` on (those still in the buffer), at
+        most ``limit`` and ``limits.max_replay_batches``. Events name every tenant's token ids,
+        so this takes the pool's peer token."""
         out = []
-        for seq, payload in service.publisher.replay(start_seq):
+        for seq, payload in service.publisher.replay(start_seq, limit):
             ts, events = decode_batch(payload)
             out.append(ReplayedBatch(seq=seq, ts=ts, events=events))
         return out
 
     # ----------------------------------------------------------------- probes, metrics
 
-    @app.get("/healthz", response_class=PlainTextResponse, tags=["probes"])
-    async def healthz() -> str:
-        return "ok"
+    @app.get("/healthz", response_class=PlainTextResponse, tags=["probes"], responses={503: {}})
+    async def healthz() -> Response:
+        """Alive unless one engine call has held the engine for twice ``engine_stall_s``
+        (then the kubelet restarts the agent)."""
+        stalled = service.stalled_for
+        if stalled > service.limits.engine_stall_s:
+            total = stalled + service.limits.engine_stall_s
+            return PlainTextResponse(f"engine stalled for {total:.0f}s", status_code=503)
+        return PlainTextResponse("ok")
 
     @app.get("/readyz", response_class=PlainTextResponse, tags=["probes"], responses={503: {}})
     async def readyz() -> Response:
@@ -242,6 +294,7 @@ def create_app(
                 ("not serving", service.serving),
                 ("events not bound", service.publisher.bound),
                 ("draining", not service.draining),
+                ("engine stalled", service.stalled_for < 0),
             )
             if not ok
         ]
@@ -254,9 +307,10 @@ def create_app(
     return app
 
 
-def _sequence(handle: SequenceHandle) -> SequenceResponse:
+def _sequence(seq: OpenSequence) -> SequenceResponse:
+    handle = seq.handle
     return SequenceResponse(
-        seq_id=handle.seq_id,
+        seq_id=seq.public_id,
         num_tokens=handle.num_tokens,
         num_reused_tokens=handle.num_reused_tokens,
         block_tables=[list(t) for t in handle.block_tables],
@@ -266,18 +320,14 @@ def _sequence(handle: SequenceHandle) -> SequenceResponse:
     )
 
 
-def _decode(body: bytes) -> Any:
+async def _decode(body: bytes) -> Any:
+    """The tensor of a payload (large ones decoded off the event loop)."""
     try:
+        if len(body) > HEAVY_BYTES:
+            return await asyncio.to_thread(decode_tensor, body)
         return decode_tensor(body)
     except PayloadError as err:
         raise RequestError(400, str(err)) from None
-
-
-async def _read_body(request: Request) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise RequestError(413, f"body: larger than {MAX_BODY_BYTES} bytes")
-    return await request.body()
 
 
 Scope = MutableMapping[str, Any]

@@ -11,7 +11,8 @@ What consumers (llm-d's KV indexer, Dynamo's KV router, AIBrix's gateway) decode
   ``replaced``, ``cleared``, ``pruned``) is a kvpool extension in the trailing position, which
   array-like decoders that do not know it ignore.
 * ROUTER replay socket: a DEALER client sends ``[b"", start_seq (8 bytes, big-endian)]`` and
-  gets one ``[b"", seq, payload]`` message per buffered batch from that number on, then
+  gets one ``[b"", seq, payload]`` message per buffered batch from that number on (at most
+  ``max_replay_batches`` per request: ask again from the next number), then
   ``[b"", -1 (8 bytes, signed), b""]`` (without the empty frame in, none comes back).
 
 The engine reports per-node tier moves as ``BlockUpdated``; on the wire a move publishes
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -98,12 +100,14 @@ class EventPublisher:
         replay_endpoint: str | None,
         topic: str,
         replay_buffer: int,
+        max_replay_batches: int = 1000,
     ) -> None:
         self.encoder = encoder
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
+        self.max_replay_batches = max_replay_batches
         self.next_seq = 0
         self.published_events = 0
         self.bound = False
@@ -166,9 +170,15 @@ class EventPublisher:
                 )
         return seq
 
-    def replay(self, start_seq: int) -> list[tuple[int, bytes]]:
-        """Buffered batches numbered ``start_seq`` or later, oldest first."""
-        return [(s, p) for s, p in self.buffer if s >= start_seq]
+    def replay(self, start_seq: int, limit: int | None = None) -> list[tuple[int, bytes]]:
+        """Buffered batches numbered ``start_seq`` or later, oldest first, at most ``limit``
+        (default ``max_replay_batches``): one request cannot ask for the whole buffer."""
+        count = self.max_replay_batches if limit is None else min(limit, self.max_replay_batches)
+        if not self.buffer or start_seq > self.buffer[-1][0]:
+            return []
+        first = self.buffer[0][0]
+        skip = max(0, start_seq - first)
+        return list(itertools.islice(self.buffer, skip, skip + count))
 
     async def _serve_replay(self) -> None:
         router = self._router

@@ -18,6 +18,7 @@ import uvicorn
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.server.app import create_app
 from kvpool_agent.server.lifecycle import drain, warm_start
+from kvpool_agent.server.limits import header_timeout_protocol
 from kvpool_agent.server.reload import ConfigWatcher
 from kvpool_agent.server.service import AgentService
 
@@ -30,17 +31,12 @@ class _Server(uvicorn.Server):
         yield  # the agent installs its own handlers (drain first, then exit)
 
 
-def endpoint_overrides(
-    config: AgentConfig, host: str | None, port: int | None
-) -> dict[str, object]:
-    """Dotted-path overrides from ``--host/--port``; a ``*`` event host follows ``--host``."""
+def endpoint_overrides(host: str | None, port: int | None) -> dict[str, object]:
+    """Dotted-path overrides from ``--host/--port`` (a ``*`` event host follows the server
+    host, so it follows ``--host`` too)."""
     out: dict[str, object] = {}
     if host is not None:
         out["server.host"] = host
-        for name in ("endpoint", "replay_endpoint"):
-            value = getattr(config.events, name)
-            if value is not None and "://*:" in value:
-                out[f"events.{name}"] = value.replace("://*:", f"://{host}:")
     if port is not None:
         out["server.port"] = port
     return out
@@ -83,6 +79,7 @@ async def serve(
             await watcher.stop()
 
     app = create_app(service, on_startup=on_startup, on_shutdown=on_shutdown)
+    limits = config.limits
     uv_config = uvicorn.Config(
         app,
         host=config.server.host,
@@ -91,6 +88,9 @@ async def serve(
         access_log=False,
         timeout_graceful_shutdown=2,
         lifespan="on",
+        http=header_timeout_protocol(limits.header_timeout_s),
+        timeout_keep_alive=limits.idle_timeout_s,
+        limit_concurrency=limits.max_connections,
     )
     server = _Server(uv_config)
     await server.serve()

@@ -10,8 +10,11 @@ before changing anything, so a rejected request leaves the cache as it was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,6 +30,7 @@ from kvpool_agent.config import (
     changed_fields,
     restart_fields,
 )
+from kvpool_agent.credentials import Credentials, Principal
 from kvpool_agent.server.attention import AttentionBatch, run_attention
 from kvpool_agent.server.events import EventPublisher, WireEncoder
 from kvpool_agent.server.snapshot import ImportResult, Namespace, export_snapshot, import_snapshot
@@ -40,10 +44,11 @@ T = TypeVar("T")
 class RequestError(Exception):
     """A request the agent refuses, with the HTTP status and the reason."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.headers = headers
 
 
 @dataclass
@@ -52,58 +57,152 @@ class ReloadCounters:
     restart_required: int = 0
     invalid: int = 0
     unchanged: int = 0
+    errors: int = 0
+    """Checks that failed with an unexpected exception (the watcher keeps polling)."""
     pending_restart: list[str] = field(default_factory=list)
 
 
+@dataclass
+class OpenSequence:
+    """A sequence a tenant opened: its public id, its owner and the engine's handle."""
+
+    public_id: int
+    tenant: str | None
+    handle: SequenceHandle
+    last_used: float
+    held: tuple[int, ...]
+    """Blocks the sequence pins in each pool group (for the per-tenant cap)."""
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The engine's cache salt for a tenant's request: the tenant decides the namespace,
+    the client's salt only subdivides it. Tenant names are DNS labels (no separator inside),
+    so two tenants never share a namespace whatever salts their clients send."""
+    if tenant is None:
+        return cache_salt
+    suffix = "" if cache_salt is None else f"{_SEP}{cache_salt}"
+    return f"{_SEP}tenant{_SEP}{tenant}{suffix}"
+
+
+_SEP = "\x1f"
+
+
 class AgentService:
-    """Engine, config, event publisher and lifecycle state of one agent."""
+    """Engine, config, credentials, event publisher and lifecycle state of one agent."""
 
     def __init__(self, config: AgentConfig, engine: KVCacheManager | None = None) -> None:
         self.config = config
+        self.limits = config.limits
+        self.credentials = Credentials(config.auth)
         self.engine = engine if engine is not None else KVCacheManager.from_agent_config(config)
         self.lock = asyncio.Lock()
         primary_medium = "GPU" if self.engine.device.type == "cuda" else "CPU"
         ev = config.events
+        host = config.server.host
         self.publisher = EventPublisher(
             WireEncoder(self.engine.tpb, primary_medium),
-            endpoint=ev.endpoint,
-            replay_endpoint=ev.replay_endpoint,
+            endpoint=_at_host(ev.endpoint, host),
+            replay_endpoint=_at_host(ev.replay_endpoint, host),
             topic=ev.topic,
             replay_buffer=ev.replay_buffer,
+            max_replay_batches=config.limits.max_replay_batches,
         )
-        self.handles: dict[int, SequenceHandle] = {}
+        self.sequences: dict[int, OpenSequence] = {}
         self.namespaces: dict[int, Namespace] = {}
         self.reloads = ReloadCounters()
+        self.refusals: Counter[str] = Counter()
+        """Requests refused by a limit or by authentication, by reason (a metric)."""
+        self.expired_sequences = 0
         self.draining = False
         self.serving = False
         self.started_at = time.monotonic()
+        self.busy_since: float | None = None
+        """When the engine call now running took the engine (None: idle)."""
         self.handoff_result: str | None = None
         self.attention_kernel = PagedAttention()
+        self._held_by: dict[str | None, list[int]] = {}
+        self._housekeeping: asyncio.Task[None] | None = None
+        groups = self.engine.plan.groups
+        self._group_of_pool = [p.group for p in self.engine.plan.pools]
+        self._window_blocks = [
+            None if g.full_attention else -(-g.window // self.engine.tpb) + 1 for g in groups
+        ]
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Bind the event sockets and publish the start-up events (AllBlocksCleared first)."""
+        """Bind the event sockets, publish the start-up events (AllBlocksCleared first) and
+        start the housekeeping task (idle sequence expiry, credential reload)."""
         self.publisher.bind()
         self.flush_events()
         self.serving = True
+        self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
 
     async def stop(self) -> None:
         self.serving = False
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeping
+            self._housekeeping = None
         await self.publisher.close()
 
     @property
     def ready(self) -> bool:
-        return self.serving and self.publisher.bound and not self.draining
+        return self.serving and self.publisher.bound and not self.draining and self.stalled_for < 0
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds the engine call now running is past ``limits.engine_stall_s`` (< 0: fine)."""
+        since = self.busy_since
+        if since is None:
+            return -1.0
+        return time.monotonic() - since - self.limits.engine_stall_s
+
+    async def _housekeep(self) -> None:
+        interval = min(1.0, self.limits.sequence_idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.credentials.refresh()
+                await self.expire_idle()
+            except Exception:  # housekeeping must outlive any one failure
+                log.exception("housekeeping failed; retrying")
+
+    async def expire_idle(self, now: float | None = None) -> int:
+        """Release (discarding unwritten KV) every sequence idle past the timeout."""
+        limit = self.limits.sequence_idle_timeout_s
+
+        def run() -> int:
+            t = time.monotonic() if now is None else now
+            stale = [s for s in self.sequences.values() if t - s.last_used > limit]
+            for seq in stale:
+                self._release(seq, discard=True)
+            return len(stale)
+
+        if not self.sequences:
+            return 0
+        expired = await self.call(run)
+        if expired:
+            self.expired_sequences += expired
+            log.warning("released %d sequences idle for more than %.0fs", expired, limit)
+        return expired
 
     # ------------------------------------------------------------------ engine calls
 
     async def call(self, fn: Callable[[], T], *, heavy: bool = False) -> T:
-        """Run ``fn`` against the engine alone, then publish the events it produced."""
+        """Run ``fn`` against the engine alone, then publish the events it produced.
+
+        Everything a request looks up (its sequence, its block ids) is looked up inside
+        ``fn``, under the same hold of the lock as the engine work: a request racing a
+        release finds the sequence gone, never someone else's blocks.
+        """
         async with self.lock:
+            self.busy_since = time.monotonic()
             try:
                 return await asyncio.to_thread(fn) if heavy else fn()
             finally:
+                self.busy_since = None
                 self.flush_events()
 
     def flush_events(self) -> None:
@@ -126,74 +225,166 @@ class AgentService:
             }
         )
 
+    # ------------------------------------------------------------------ tenancy
+
+    def tenant_of(self, principal: Principal) -> str | None:
+        """The tenant a data request acts for; the peer credential is not a tenant."""
+        if self.credentials.enabled and principal.tenant is None:
+            raise RequestError(
+                403, "authorization: the peer credential cannot use sequences; use a tenant's"
+            )
+        return principal.tenant
+
+    def _owned(self, principal: Principal, seq_id: int) -> OpenSequence:
+        """The caller's open sequence ``seq_id``; another tenant's is as unknown as a closed one."""
+        seq = self.sequences.get(seq_id)
+        if seq is None or seq.tenant != self.tenant_of(principal):
+            raise RequestError(404, f"sequence {seq_id} is not open (unknown or released)")
+        seq.last_used = time.monotonic()
+        return seq
+
+    def _new_id(self) -> int:
+        while True:
+            public_id = secrets.randbits(62) + 1
+            if public_id not in self.sequences:
+                return public_id
+
+    def _held(self, handle: SequenceHandle) -> tuple[int, ...]:
+        held = [0] * len(self._window_blocks)
+        for pool, table in enumerate(handle.block_tables):
+            held[self._group_of_pool[pool]] = len(table)
+        return tuple(held)
+
+    def _admit(self, tenant: str | None, num_tokens: int, held: tuple[int, ...] = ()) -> None:
+        """Refuse (429) a request that would take its tenant past the open-sequence or the
+        pinned-block cap; ``held`` is what the sequence pins already (appends)."""
+        if not held and self._open_count(tenant) >= self.limits.tenant_max_open_sequences:
+            self.refusals["open_sequences"] += 1
+            raise RequestError(
+                429,
+                f"limits: tenant has {self.limits.tenant_max_open_sequences} open sequences "
+                "(tenant_max_open_sequences); release some first",
+                {"retry-after": "1"},
+            )
+        if len(self.credentials.tenants) < 2:
+            return  # a single tenant has nobody to starve
+        tpb = self.engine.tpb
+        fraction = self.limits.tenant_max_pinned_fraction
+        have = self._held_by.get(tenant, [0] * len(self._window_blocks))
+        for g, capacity in enumerate(self.engine.group_capacity):
+            need = -(-num_tokens // tpb)
+            bound = self._window_blocks[g]
+            if bound is not None:
+                need = min(need, bound)
+            grow = need - (held[g] if held else 0)
+            cap = int(capacity * fraction)
+            if grow > 0 and have[g] + grow > cap:
+                self.refusals["pinned_blocks"] += 1
+                raise RequestError(
+                    429,
+                    f"limits: this request would pin {have[g] + grow} blocks of pool group {g} "
+                    f"for the tenant, more than {cap} ({fraction:.0%} of {capacity}, "
+                    "tenant_max_pinned_fraction); release sequences first",
+                    {"retry-after": "1"},
+                )
+
+    def _open_count(self, tenant: str | None) -> int:
+        return sum(1 for s in self.sequences.values() if s.tenant == tenant)
+
+    def _account(self, tenant: str | None, old: tuple[int, ...], new: tuple[int, ...]) -> None:
+        have = self._held_by.setdefault(tenant, [0] * len(self._window_blocks))
+        for g in range(len(have)):
+            have[g] += (new[g] if new else 0) - (old[g] if old else 0)
+
+    def _scrub(self, handle: SequenceHandle, fresh_from_block: int) -> None:
+        """Zero the blocks a sequence got fresh (from block index ``fresh_from_block`` on):
+        a recycled block must never show its previous owner's KV."""
+        tpb = handle.tokens_per_block
+        for pool, table in enumerate(handle.block_tables):
+            skip = max(0, fresh_from_block - handle.first_token[pool] // tpb)
+            fresh = table[skip:]
+            if fresh:
+                view = self.engine.pool_view(pool)
+                index = torch.tensor(fresh, dtype=torch.long, device=view.device)
+                view.index_fill_(1, index, 0)
+
+    # ------------------------------------------------------------------ sequences
+
     async def open(
         self,
+        principal: Principal,
         tokens: list[int],
         cache_salt: str | None,
         extra_keys: list[int | str],
         retention: KvCacheRetentionConfig | None,
         recompute_last_token: bool,
-    ) -> SequenceHandle:
+    ) -> OpenSequence:
+        tenant = self.tenant_of(principal)
         if self.draining:
             raise RequestError(503, "draining: this agent admits no new sequences")
         policy = retention if retention is not None else self.default_retention()
+        salt = tenant_salt(tenant, cache_salt)
 
-        def run() -> SequenceHandle:
+        def run() -> OpenSequence:
+            self._admit(tenant, len(tokens))
             handle = self.engine.open_sequence(
                 tokens,
-                cache_salt=cache_salt,
+                cache_salt=salt,
                 extra_keys=tuple(extra_keys),
                 retention=policy,
                 recompute_last_token=recompute_last_token,
             )
-            self.handles[handle.seq_id] = handle
-            if cache_salt is not None or extra_keys:
-                self.namespaces[_namespace(cache_salt, extra_keys)] = (
-                    cache_salt,
-                    tuple(extra_keys),
-                )
-            return handle
+            self._scrub(handle, -(-handle.num_reused_tokens // handle.tokens_per_block))
+            seq = OpenSequence(self._new_id(), tenant, handle, time.monotonic(), self._held(handle))
+            self.sequences[seq.public_id] = seq
+            self._account(tenant, (), seq.held)
+            if salt is not None or extra_keys:
+                self.namespaces[_namespace(salt, extra_keys)] = (salt, tuple(extra_keys))
+            return seq
 
         return await self.call(run)
 
-    def handle(self, seq_id: int) -> SequenceHandle:
-        handle = self.handles.get(seq_id)
-        if handle is None:
-            raise RequestError(404, f"sequence {seq_id} is not open (unknown or released)")
-        return handle
+    async def get(self, principal: Principal, seq_id: int) -> OpenSequence:
+        return await self.call(lambda: self._owned(principal, seq_id))
 
-    async def append(self, seq_id: int, tokens: list[int]) -> SequenceHandle:
-        self.handle(seq_id)
-
-        def run() -> SequenceHandle:
-            handle = self.engine.append_tokens(seq_id, tokens)
-            self.handles[seq_id] = handle
-            return handle
+    async def append(self, principal: Principal, seq_id: int, tokens: list[int]) -> OpenSequence:
+        def run() -> OpenSequence:
+            seq = self._owned(principal, seq_id)
+            old = seq.handle
+            self._admit(seq.tenant, old.num_tokens + len(tokens), seq.held)
+            handle = self.engine.append_tokens(old.seq_id, tokens)
+            self._scrub(handle, -(-old.num_tokens // old.tokens_per_block))
+            held = self._held(handle)
+            self._account(seq.tenant, seq.held, held)
+            seq.handle, seq.held = handle, held
+            return seq
 
         return await self.call(run)
 
-    async def commit(self, seq_id: int) -> SequenceHandle:
-        handle = self.handle(seq_id)
-        await self.call(lambda: self.engine.commit(seq_id))
-        return handle
+    async def commit(self, principal: Principal, seq_id: int) -> OpenSequence:
+        def run() -> OpenSequence:
+            seq = self._owned(principal, seq_id)
+            self.engine.commit(seq.handle.seq_id)
+            return seq
 
-    async def release(self, seq_id: int, discard: bool) -> None:
-        self.handle(seq_id)
+        return await self.call(run)
 
-        def run() -> None:
-            self.engine.release(seq_id, discard=discard)
-            del self.handles[seq_id]
+    async def release(self, principal: Principal, seq_id: int, discard: bool) -> None:
+        await self.call(lambda: self._release(self._owned(principal, seq_id), discard))
 
-        await self.call(run)
+    def _release(self, seq: OpenSequence, discard: bool) -> None:
+        self.engine.release(seq.handle.seq_id, discard=discard)
+        del self.sequences[seq.public_id]
+        self._account(seq.tenant, seq.held, ())
 
     def block_ids(
-        self, seq_id: int, pool: int, start: int, count: int, *, write: bool
+        self, handle: SequenceHandle, pool: int, start: int, count: int, *, write: bool
     ) -> list[int]:
         """Primary block ids ``[start, start + count)`` of a sequence's table in ``pool``.
 
         Writes may not touch blocks the sequence reused whole: other sequences share them.
+        Call it under the engine lock, in the same hold as the access.
         """
-        handle = self.handle(seq_id)
         if not 0 <= pool < len(handle.block_tables):
             raise RequestError(
                 404, f"pool: {pool} does not exist (0..{len(handle.block_tables) - 1})"
@@ -215,38 +406,50 @@ class AgentService:
                 )
         return list(table[start : start + count])
 
-    async def write_kv(self, seq_id: int, pool: int, start: int, kv: torch.Tensor) -> None:
-        view = self.engine.pool_view(pool) if 0 <= pool < len(self.engine.plan.pools) else None
-        if view is None:
+    async def write_kv(
+        self, principal: Principal, seq_id: int, pool: int, start: int, kv: torch.Tensor
+    ) -> None:
+        if not 0 <= pool < len(self.engine.plan.pools):
             raise RequestError(404, f"pool: {pool} does not exist")
+        view = self.engine.pool_view(pool)
         count = kv.shape[1] if kv.dim() == view.dim() else 0
-        ids = self.block_ids(seq_id, pool, start, max(count, 1), write=True)
-        want = (view.shape[0], len(ids), *view.shape[2:])
-        if tuple(kv.shape) != want or kv.dtype != view.dtype:
+        want_tail = (view.shape[0], count, *view.shape[2:])
+        if count < 1 or tuple(kv.shape) != want_tail or kv.dtype != view.dtype:
+            want = [view.shape[0], "blocks", *view.shape[2:]]
             raise RequestError(
                 422,
-                f"payload: expected a {view.dtype} tensor of shape {list(want)} "
+                f"payload: expected a {view.dtype} tensor of shape {want} "
                 f"([layers, blocks, 2, tokens_per_block, kv_heads, head_dim]), "
                 f"got {kv.dtype} {list(kv.shape)}",
             )
 
         def run() -> None:
+            seq = self._owned(principal, seq_id)
+            ids = self.block_ids(seq.handle, pool, start, count, write=True)
             index = torch.tensor(ids, dtype=torch.long, device=view.device)
             view.index_copy_(1, index, kv.to(view.device))
 
-        await self.call(run)
+        await self.call(run, heavy=kv.nbytes > HEAVY_BYTES)
 
-    async def read_kv(self, seq_id: int, pool: int, start: int, count: int) -> torch.Tensor:
-        ids = self.block_ids(seq_id, pool, start, count, write=False)
-
+    async def read_kv(
+        self, principal: Principal, seq_id: int, pool: int, start: int, count: int
+    ) -> torch.Tensor:
         def run() -> torch.Tensor:
+            seq = self._owned(principal, seq_id)
+            ids = self.block_ids(seq.handle, pool, start, count, write=False)
             view = self.engine.pool_view(pool)
             return view[:, torch.tensor(ids, dtype=torch.long, device=view.device)].cpu()
 
-        return await self.call(run)
+        block_bytes = (
+            self.engine.plan.pools[pool].block_bytes
+            if 0 <= pool < len(self.engine.plan.pools)
+            else 0
+        )
+        return await self.call(run, heavy=count * block_bytes > HEAVY_BYTES)
 
     async def attention(
         self,
+        principal: Principal,
         seq_ids: list[int],
         q_lens: list[int],
         layer: int,
@@ -258,13 +461,14 @@ class AgentService:
             raise RequestError(422, f"q_lens: {len(q_lens)} entries for {len(seq_ids)} sequences")
         if len(set(seq_ids)) != len(seq_ids):
             raise RequestError(422, "seq_ids: a sequence appears twice in the batch")
-        batch = AttentionBatch(
-            tuple(self.handle(s) for s in seq_ids), tuple(q_lens), layer, num_qo_heads, causal
-        )
+
+        def run() -> tuple[torch.Tensor, str]:
+            handles = tuple(self._owned(principal, s).handle for s in seq_ids)
+            batch = AttentionBatch(handles, tuple(q_lens), layer, num_qo_heads, causal)
+            return run_attention(self.engine, self.attention_kernel, batch, q)
+
         try:
-            return await self.call(
-                lambda: run_attention(self.engine, self.attention_kernel, batch, q), heavy=True
-            )
+            return await self.call(run, heavy=True)
         except ValueError as err:  # AttentionRequestError and the kernels' shape checks
             raise RequestError(422, str(err)) from None
 
@@ -312,11 +516,10 @@ class AgentService:
         """Release every open sequence, dropping uncommitted KV (end of a drain)."""
 
         def run() -> int:
-            ids = list(self.handles)
-            for seq_id in ids:
-                self.engine.release(seq_id, discard=True)
-                del self.handles[seq_id]
-            return len(ids)
+            open_now = list(self.sequences.values())
+            for seq in open_now:
+                self._release(seq, discard=True)
+            return len(open_now)
 
         return await self.call(run)
 
@@ -336,4 +539,17 @@ class AgentService:
             "events_next_seq": self.publisher.next_seq,
             "draining": self.draining,
             "pending_restart": self.reloads.pending_restart,
+            "expired_sequences": self.expired_sequences,
         }
+
+
+HEAVY_BYTES = 1 << 20
+"""Copies larger than this run in a worker thread, so the event loop keeps serving probes."""
+
+
+def _at_host(endpoint: str | None, host: str) -> str | None:
+    """An event endpoint with its ``*`` host replaced by the server host."""
+    if endpoint is None or "://*:" not in endpoint:
+        return endpoint
+    bracketed = f"[{host}]" if ":" in host else host
+    return endpoint.replace("://*:", f"://{bracketed}:")
