@@ -1,9 +1,11 @@
 """Benchmark the agent's HTTP API: open + release cycles of 2k-token prompts on loopback.
 
 Baseline, measured in the same run: the same cycles called in-process on a
-``KVCacheManager`` of the same config. Prompts cycle over a set of distinct 2k-token
-sequences, so after the first round every open reuses all but the last block (the common
-case for a prefix cache) and the cache never fills.
+``KVCacheManager`` of the same config. A second agent with credentials (one tenant, bearer
+token) runs the same loopback cycles, so the cost of authentication is a ratio of the same
+run (``HTTP loopback + auth`` against ``HTTP loopback``). Prompts cycle over a set of
+distinct 2k-token sequences, so after the first round every open reuses all but the last
+block (the common case for a prefix cache) and the cache never fills.
 
 Partial reuse is off by default so the figure is the API's cost: with it on, every open also
 copies the partly matched last block (copy-on-partial-reuse), which on CPU currently costs
@@ -93,9 +95,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_agent(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    path = tmp / "agent.yaml"
-    path.write_text(yaml.safe_dump(CONFIG))
+TOKEN = "bench-tenant-token-0123456789abcdef"
+
+
+def start_agent(tmp: Path, auth: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    from kvpool_agent.credentials import token_digest
+
+    doc = dict(CONFIG)
+    if auth:
+        (tmp / "tenants.yaml").write_text(yaml.safe_dump({"bench": token_digest(TOKEN)}))
+        doc["auth"] = {"tenants_file": str(tmp / "tenants.yaml")}
+    path = tmp / ("agent-auth.yaml" if auth else "agent.yaml")
+    path.write_text(yaml.safe_dump(doc))
     port = free_port()
     cmd = [
         sys.executable,
@@ -125,13 +136,19 @@ def start_agent(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def loopback(
-    url: str, cycles: int, clients: int, toks: list[list[int]], progress: Progress
+    url: str,
+    cycles: int,
+    clients: int,
+    toks: list[list[int]],
+    progress: Progress,
+    token: str | None = None,
 ) -> tuple[list[float], float]:
-    task = progress.add_task(f"loopback x{clients}", total=cycles)
+    task = progress.add_task(f"loopback x{clients}{' auth' if token else ''}", total=cycles)
     lats: list[list[float]] = [[] for _ in range(clients)]
+    headers = {"authorization": f"Bearer {token}"} if token else {}
 
     def worker(k: int) -> None:
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=url, timeout=30, headers=headers) as c:
             for i in range(k, cycles, clients):
                 t0 = time.perf_counter()
                 r = c.post("/v1/sequences", json={"tokens": toks[i % len(toks)]})
@@ -150,7 +167,7 @@ def loopback(
     return [x for xs in lats for x in xs], wall
 
 
-def server_seconds(url: str) -> float:
+def server_seconds(url: str, token: str | None = None) -> float:
     """Total seconds the agent spent in open and release requests so far."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -193,19 +210,38 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console) as progress:
         proc, url = start_agent(Path(tmp))
+        auth_proc, auth_url = start_agent(Path(tmp), auth=True)
         try:
             in_lat = in_process(args.cycles, toks, progress)
             base_rate = len(in_lat) / sum(in_lat)
             results.append(summarize("in-process", 1, in_lat, sum(in_lat), base_rate))
             for clients in sorted({1, args.clients}):
-                spent = server_seconds(url)
-                lat, wall = loopback(url, args.cycles, clients, toks, progress)
-                result = summarize("HTTP loopback", clients, lat, wall, base_rate)
-                result.server_ms = round((server_seconds(url) - spent) / len(lat) * 1e3, 3)
-                results.append(result)
+                # interleaved: plain, auth, plain, auth; the better round of each counts
+                best: dict[str, Result] = {}
+                for _ in range(2):
+                    for mode, where, token in (
+                        ("HTTP loopback", url, None),
+                        ("HTTP loopback + auth", auth_url, TOKEN),
+                    ):
+                        spent = server_seconds(where)
+                        lat, wall = loopback(where, args.cycles, clients, toks, progress, token)
+                        result = summarize(mode, clients, lat, wall, base_rate)
+                        result.server_ms = round(
+                            (server_seconds(where) - spent) / len(lat) * 1e3, 3
+                        )
+                        if mode not in best or result.cycles_per_s > best[mode].cycles_per_s:
+                            best[mode] = result
+                results.extend(best.values())
+                plain, auth = best["HTTP loopback"], best["HTTP loopback + auth"]
+                console.print(
+                    f"{clients} client(s): auth / no auth throughput "
+                    f"{auth.cycles_per_s / plain.cycles_per_s:.3f}, p50 latency "
+                    f"{auth.p50_ms / plain.p50_ms:.3f}"
+                )
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            for p in (proc, auth_proc):
+                p.terminate()
+                p.wait(timeout=30)
     table = Table(title=f"open + release of {args.tokens}-token prompts")
     cols = ("mode", "clients", "cycles", "cycles/s", "p50 ms", "p99 ms", "ratio", "in agent ms")
     for col in cols:

@@ -10,8 +10,9 @@ This module must stay light: the operator imports it, and the operator never imp
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -183,29 +184,145 @@ FULL_ATTENTION = 1 << 62
 """Window used for full-attention layers when no maximum sequence length is known."""
 
 
+def is_loopback(host: str) -> bool:
+    """Whether an agent may bind ``host`` without credentials (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+ZMQ_ENDPOINT_PATTERN = (
+    r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5}|\*)|ipc:///?[^\s]+)$"
+)
+"""What ``events.endpoint``/``replay_endpoint`` accept: ``tcp://HOST:PORT`` (a ``*`` port: any
+free one) or ``ipc://PATH``."""
+
+PEER_URL_PATTERN = r"^https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?/?$"
+"""What a handoff peer may be: a plain http(s) base URL, no path, query or credentials."""
+
+TENANT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+"""Tenant names: DNS labels, so they can name Secrets and appear in metrics."""
+
+
 class ServerConfig(_Model):
     """Where the agent serves its HTTP API, metrics and probes. Restart-only."""
 
-    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the HTTP server binds. Loopback by default; any other address "
+        "needs credentials (auth) or auth.allowUnauthenticated.",
+    )
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (API, /metrics, probes).")
 
 
 class EventsConfig(_Model):
     """KV events in vLLM's wire format (ZMQ PUB of msgpack batches, ROUTER replay). Restart-only.
 
-    A ``*`` host in an endpoint is replaced by the server host when the agent is started with
-    an explicit ``--host`` (several agents on one machine bind distinct loopback addresses).
+    A ``*`` host in an endpoint stands for the server host (``server.host`` or ``--host``):
+    loopback unless the agent serves beyond it. The ZMQ sockets carry no credential; in a
+    pool, the NetworkPolicy admits only the event consumers to them (docs/security.md).
     """
 
     endpoint: str | None = Field(
-        "tcp://*:5557", description="ZMQ PUB endpoint to bind; unset disables ZMQ publishing."
+        "tcp://*:5557",
+        max_length=256,
+        pattern=ZMQ_ENDPOINT_PATTERN,
+        description="ZMQ PUB endpoint to bind (tcp://HOST:PORT or ipc://PATH, * = the server "
+        "host); unset disables ZMQ publishing.",
     )
     replay_endpoint: str | None = Field(
-        "tcp://*:5558", description="ZMQ ROUTER endpoint serving replays; unset disables it."
+        "tcp://*:5558",
+        max_length=256,
+        pattern=ZMQ_ENDPOINT_PATTERN,
+        description="ZMQ ROUTER endpoint serving replays (tcp://HOST:PORT or ipc://PATH); "
+        "unset disables it.",
     )
-    topic: str = Field("kv-events", description="Topic frame of every published message.")
+    topic: str = Field(
+        "kv-events", max_length=256, description="Topic frame of every published message."
+    )
     replay_buffer: int = Field(
-        10_000, ge=1, description="Published batches kept for replay (by sequence number)."
+        10_000, ge=1, le=1_000_000, description="Published batches kept for replay."
+    )
+
+
+class AuthConfig(_Model):
+    """Who may call the agent (docs/security.md). Restart-only; the files are re-read live.
+
+    With ``tenants_file`` set, every route but ``/healthz``, ``/readyz`` and ``/metrics`` needs
+    ``Authorization: Bearer TOKEN``: a tenant's token (its own sequences, in its own cache
+    namespace) or the pool's peer token (handoff, the event replay). Without it the agent
+    serves one anonymous tenant and refuses to bind beyond loopback unless
+    ``allow_unauthenticated`` says so.
+    """
+
+    tenants_file: str | None = Field(
+        None,
+        description="YAML mapping of tenant name to the SHA-256 hex digest of its token "
+        "(the operator's <pool>-auth Secret). Re-read when it changes.",
+    )
+    peer_token_file: str | None = Field(
+        None,
+        description="File holding the pool's peer token: agents of the pool present it to "
+        "each other for warm handoff; it also reads /v1/events. Re-read when it changes.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without credentials on a non-loopback address (trusted networks "
+        "only: every client is then the same anonymous tenant).",
+    )
+
+
+class LimitsConfig(_Model):
+    """Bounds that keep one client from stalling or filling the agent. Restart-only."""
+
+    max_json_body_bytes: int = Field(
+        8 << 20, gt=0, description="Largest JSON request body (chunked bodies counted too)."
+    )
+    max_payload_bytes: int = Field(
+        1 << 30, gt=0, description="Largest binary KV payload of one PUT."
+    )
+    max_handoff_bytes: int = Field(
+        4 << 30, gt=0, description="Largest handoff snapshot a peer may send."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a request's headers."
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds a request may take to send its body."
+    )
+    idle_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds an idle keep-alive connection stays open."
+    )
+    max_connections: int = Field(
+        1024, gt=0, description="Concurrent connections and requests; beyond it: 503."
+    )
+    tenant_max_open_sequences: int = Field(
+        4096, gt=0, description="Open sequences per tenant; beyond it: 429."
+    )
+    tenant_max_pinned_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of a pool group's primary blocks one tenant may pin with open "
+        "sequences when the agent serves more than one tenant; beyond it: 429.",
+    )
+    sequence_idle_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="An open sequence untouched for this long is released (its unwritten KV "
+        "dropped), so a crashed client leaves nothing pinned.",
+    )
+    max_replay_batches: int = Field(
+        1000, gt=0, description="Event batches one replay request returns at most."
+    )
+    engine_stall_s: float = Field(
+        30.0,
+        gt=0,
+        description="/readyz fails while one engine call has held the engine this long, and "
+        "/healthz at twice that, so Kubernetes restarts a wedged agent.",
     )
 
 
@@ -219,7 +336,10 @@ class RetentionDefaults(_Model):
         description="Priority of the blocks of requests without a retention policy.",
     )
     duration_ms: int | None = Field(
-        None, ge=0, description="How long that priority lasts; unset: until evicted."
+        None,
+        ge=0,
+        le=366 * 24 * 3600 * 1000,
+        description="How long that priority lasts (at most a year); unset: until evicted.",
     )
 
 
@@ -232,10 +352,11 @@ class LifecycleConfig(_Model):
         description="Seconds from SIGTERM to exit: in-flight sequences, then the handoff. "
         "Keep it below the pod's terminationGracePeriodSeconds. Live.",
     )
-    handoff_peers: list[str] = Field(
+    handoff_peers: list[Annotated[str, Field(max_length=512, pattern=PEER_URL_PATTERN)]] = Field(
         default_factory=list,
-        description="Base URLs of peer agents of the same pool; the first that accepts gets "
-        "the hottest blocks on drain. Live.",
+        max_length=256,
+        description="Base URLs (http(s)://HOST[:PORT]) of peer agents of the same pool; the "
+        "first that accepts gets the hottest blocks on drain. Live.",
     )
     handoff_max_blocks: int | None = Field(
         None, gt=0, description="Cap on the blocks handed off; unset: all that fit. Live."
@@ -274,6 +395,22 @@ class AgentConfig(_Model):
         default_factory=lambda: RetentionDefaults.model_validate({})
     )
     lifecycle: LifecycleConfig = Field(default_factory=lambda: LifecycleConfig.model_validate({}))
+    auth: AuthConfig = Field(default_factory=lambda: AuthConfig.model_validate({}))
+    limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig.model_validate({}))
+
+    @model_validator(mode="after")
+    def _loopback_unless_authenticated(self) -> AgentConfig:
+        a = self.auth
+        if (
+            not is_loopback(self.server.host)
+            and a.tenants_file is None
+            and not a.allow_unauthenticated
+        ):
+            raise ValueError(
+                f"server.host {self.server.host!r} is not loopback: set auth.tenants_file "
+                "(credentials) or auth.allow_unauthenticated: true"
+            )
+        return self
 
 
 def format_validation_error(err: ValidationError, source: str = "config") -> str:
@@ -296,14 +433,25 @@ def load_agent_config(path: str | Path) -> AgentConfig:
 
 
 def _read_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML/JSON file; every way it can be wrong is a ConfigError naming it."""
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as err:
-        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+        raise ConfigError(f"cannot read config {path}: {err.strerror or err}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config {path} is not UTF-8 text (byte {err.start}: {err.reason})"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"config {path} is not valid YAML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path} is nested too deeply") from None
+    except ValueError as err:  # a constructor's, such as a timestamp out of range
+        raise ConfigError(f"config {path} has a value YAML cannot read: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping, got {type(data).__name__}")
     return data

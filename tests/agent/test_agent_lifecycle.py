@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import struct
+import zlib
 from pathlib import Path
+from typing import Any
 
 import httpx
+import msgpack
 import pytest
 import torch
 
+from kvpool_agent.credentials import ANONYMOUS
 from kvpool_agent.server import AgentService, create_app
+from kvpool_agent.server import snapshot as snapshot_module
 from kvpool_agent.server.lifecycle import drain, warm_start
 from kvpool_agent.server.payload import encode_tensor
 from kvpool_agent.server.snapshot import (
@@ -142,9 +148,96 @@ async def test_drain_releases_leftovers_at_the_deadline(tmp_path: Path) -> None:
     svc = AgentService(small_config(lifecycle={"grace_period_s": 0.5}))
     await svc.start()
     svc.engine.open_sequence([1, 2, 3])
-    await svc.open([4, 5, 6, 7, 8], None, [], None, True)
+    await svc.open(ANONYMOUS, [4, 5, 6, 7, 8], None, [], None, True)
     t0 = asyncio.get_running_loop().time()
     where = await drain(svc, lambda: None)
     assert asyncio.get_running_loop().time() - t0 < 0.6
-    assert where == "none" and not svc.handles
+    assert where == "none" and not svc.sequences
     await svc.stop()
+
+
+# ------------------------------------------------------------------ warm start from a bad file
+
+
+def cyclic_snapshot() -> bytes:
+    """A well-framed snapshot whose first record hangs from the second (a cycle), with a
+    third record below them: walking its chain used to loop forever."""
+    src = AgentService(small_config()).engine
+    h = src.open_sequence(list(range(3 * TPB)), recompute_last_token=False)
+    src.release(h.seq_id)
+    blob = export_snapshot(src, {})
+    header = struct.Struct("<4sHIQ")
+    doc = msgpack.unpackb(blob[header.size :], raw=False)
+    assert [r[2] for r in doc["records"]] == [-1, 0, 1]
+    doc["records"][0][2] = 1
+    body = msgpack.packb(doc, use_bin_type=True)
+    return header.pack(b"KVPS", 1, zlib.crc32(body), len(body)) + body
+
+
+async def assert_starts_empty_and_sets_aside(snap: Path, content: bytes) -> None:
+    svc = AgentService(small_config(lifecycle={"snapshot_path": str(snap)}))
+    await svc.start()
+    try:
+        result = await asyncio.wait_for(warm_start(svc), 10)
+        assert result is None
+        assert svc.engine.num_nodes == 0 and svc.engine.num_open_sequences == 0
+        assert not snap.exists()
+        aside = list(snap.parent.glob(f"{snap.name}.rejected-*"))
+        assert len(aside) == 1 and aside[0].read_bytes() == content
+        assert aside[0].name.removeprefix(f"{snap.name}.rejected-").isdigit()
+        assert svc.ready
+        transport = httpx.ASGITransport(app=create_app(svc))
+        async with httpx.AsyncClient(transport=transport, base_url="http://a") as c:
+            assert (await c.get("/readyz")).status_code == 200
+        assert await warm_start(svc) is None  # not loaded again
+        assert len(list(snap.parent.glob(f"{snap.name}.rejected-*"))) == 1
+    finally:
+        await svc.stop()
+
+
+async def test_warm_start_from_a_garbage_file_starts_empty(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.bin"
+    snap.write_bytes(b"not a snapshot at all\n" * 100)
+    await assert_starts_empty_and_sets_aside(snap, snap.read_bytes())
+
+
+async def test_warm_start_from_a_cyclic_snapshot_starts_empty(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.bin"
+    snap.write_bytes(cyclic_snapshot())
+    await assert_starts_empty_and_sets_aside(snap, snap.read_bytes())
+
+
+async def test_warm_start_from_a_snapshot_of_another_geometry_starts_empty(
+    tmp_path: Path,
+) -> None:
+    other = AgentService(small_config(model={"head_dim": 16})).engine
+    h = other.open_sequence(list(range(2 * TPB)), recompute_last_token=False)
+    other.release(h.seq_id)
+    snap = tmp_path / "snap.bin"
+    snap.write_bytes(export_snapshot(other, {}))
+    await assert_starts_empty_and_sets_aside(snap, snap.read_bytes())
+
+
+async def test_warm_start_survives_an_unexpected_error_mid_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception while importing, not only SnapshotError: what was imported is dropped."""
+    src = AgentService(small_config()).engine
+    for base in (0, 100):
+        h = src.open_sequence(list(range(base, base + 2 * TPB)), recompute_last_token=False)
+        src.release(h.seq_id)
+    snap = tmp_path / "snap.bin"
+    snap.write_bytes(export_snapshot(src, {}))
+    real = snapshot_module._import_segment
+    calls = 0
+
+    def second_chain_fails(*args: Any, **kwargs: Any) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot_module, "_import_segment", second_chain_fails)
+    await assert_starts_empty_and_sets_aside(snap, snap.read_bytes())
+    assert calls == 2

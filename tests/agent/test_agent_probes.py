@@ -41,3 +41,28 @@ async def test_host_and_port_flags_override_the_file_and_the_event_hosts() -> No
     assert svc.publisher.replay_endpoint == "tcp://127.0.0.5:5558"
     assert endpoint_overrides(None, None) == {}
     assert small_config().server.port == 8000
+
+
+async def test_a_stalled_engine_fails_readiness_then_liveness() -> None:
+    """An engine call that holds the engine past ``engine_stall_s`` turns /readyz 503, and
+    past twice that /healthz too, so the kubelet restarts a wedged agent."""
+    import asyncio
+    import time
+
+    svc = AgentService(small_config(limits={"engine_stall_s": 0.3}))
+    app = create_app(svc)
+    await svc.start()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
+        assert (await c.get("/readyz")).status_code == 200
+        stuck = asyncio.create_task(svc.call(lambda: time.sleep(1.2), heavy=True))
+        await asyncio.sleep(0.45)
+        ready, alive = await c.get("/readyz"), await c.get("/healthz")
+        assert ready.status_code == 503 and "engine stalled" in ready.text
+        assert alive.status_code == 200
+        await asyncio.sleep(0.4)
+        alive = await c.get("/healthz")
+        assert alive.status_code == 503 and "engine stalled" in alive.text
+        await stuck
+        assert (await c.get("/readyz")).status_code == 200
+        assert (await c.get("/healthz")).status_code == 200
+    await svc.stop()

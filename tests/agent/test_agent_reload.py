@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from kvpool_agent.config import AgentConfig
+from kvpool_agent.config import AgentConfig, ConfigError, load_agent_config
 from kvpool_agent.server import AgentService
 from kvpool_agent.server.reload import ConfigWatcher
 
@@ -114,3 +116,81 @@ async def test_live_fields_are_documented_for_the_operator() -> None:
     for field in LIVE_FIELDS:
         assert f"`{field}`" in doc, field
     assert small_config().server.port == 8000
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_non_utf8_config_is_invalid_and_a_later_edit_still_applies(
+    tmp_path: Path, service: AgentService
+) -> None:
+    """A non-UTF-8 file used to kill the watcher task (UnicodeDecodeError), silently: no
+    later edit ever applied."""
+    path = tmp_path / "agent.yaml"
+    write(path, service.config)
+    before = service.config
+    watcher = ConfigWatcher(service, path, interval=0.01)
+    watcher.start()
+    try:
+        tmp = path.with_name("agent.yaml.new")
+        tmp.write_bytes(b"retention:\n  priority: \xff\xfe 80\n")
+        os.replace(tmp, path)
+        await wait_for(lambda: service.reloads.invalid == 1)
+        assert service.config == before and service.reloads.errors == 0
+        write(path, edited(service.config, retention={"priority": 70}))
+        await wait_for(lambda: service.reloads.applied == 1)
+        assert service.config.retention.priority == 70
+    finally:
+        await watcher.stop()
+
+
+async def test_the_watcher_survives_any_error_in_a_check(
+    tmp_path: Path, service: AgentService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "agent.yaml"
+    write(path, service.config)
+    real = service.apply_config
+    calls = 0
+
+    async def fails_once(new: AgentConfig) -> list[str]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("unexpected")
+        return await real(new)
+
+    monkeypatch.setattr(service, "apply_config", fails_once)
+    watcher = ConfigWatcher(service, path, interval=0.01)
+    watcher.start()
+    try:
+        write(path, edited(service.config, retention={"priority": 60}))
+        await wait_for(lambda: service.reloads.errors == 1)
+        assert service.config.retention.priority != 60
+        write(path, edited(service.config, retention={"priority": 61}))
+        await wait_for(lambda: service.reloads.applied == 1)
+        assert service.config.retention.priority == 61 and service.reloads.errors == 1
+    finally:
+        await watcher.stop()
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"model: {num_layers: 2}\ncomment: \xc3\x28\n", "not UTF-8"),
+        (b"[" * 5000, "nested too deeply"),
+        (b"when: 2001-13-01\n", "YAML cannot read"),
+        (b"[1, 2\n", "not valid YAML"),
+    ],
+)
+async def test_unreadable_config_files_are_config_errors_naming_the_file(
+    tmp_path: Path, content: bytes, needle: str
+) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_agent_config(path)
+    assert str(path) in str(info.value) and needle in str(info.value)

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Security
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -48,7 +49,7 @@ from kvpool_agent.server.models import (
 )
 from kvpool_agent.server.payload import MEDIA_TYPE, PayloadError, decode_tensor, encode_tensor
 from kvpool_agent.server.service import HEAVY_BYTES, AgentService, OpenSequence, RequestError
-from kvpool_agent.server.snapshot import SnapshotError
+from kvpool_agent.server.snapshot import SnapshotError, SnapshotGeometryError
 
 ENGINE_STATUS: dict[type[CacheError], int] = {
     UnknownSequenceError: 404,
@@ -75,7 +76,9 @@ async def _authenticated(request: Request, _: Annotated[Any, Security(_bearer)])
         raise RequestError(err.status, err.reason, {"www-authenticate": "Bearer"}) from None
 
 
-async def _peer(request: Request, principal: Annotated[Principal, Depends(_authenticated)]) -> Principal:
+async def _peer(
+    request: Request, principal: Annotated[Principal, Depends(_authenticated)]
+) -> Principal:
     """The caller, who must hold the pool's peer token (403 otherwise)."""
     if not principal.peer:
         request.app.state.service.refusals["forbidden"] += 1
@@ -127,6 +130,16 @@ def create_app(
     async def _request_error(_: Request, err: RequestError) -> JSONResponse:
         headers = err.headers or ({"retry-after": "1"} if err.status == 503 else None)
         return JSONResponse({"detail": err.reason}, status_code=err.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        # Not FastAPI's own handler: it echoes the input back, and answers 500 when that
+        # input is not JSON-safe (a non-finite float, undecodable bytes).
+        detail = [
+            {"type": e["type"], "loc": [str(p) for p in e["loc"]], "msg": e["msg"]}
+            for e in err.errors()
+        ]
+        return JSONResponse({"detail": detail}, 422)
 
     @app.exception_handler(CacheError)
     async def _cache_error(_: Request, err: CacheError) -> JSONResponse:
@@ -252,7 +265,8 @@ def create_app(
         try:
             result = await service.import_blocks(await request.body())
         except SnapshotError as err:
-            raise RequestError(409 if "geometry" in str(err) else 400, str(err)) from None
+            status = 409 if isinstance(err, SnapshotGeometryError) else 400
+            raise RequestError(status, str(err)) from None
         return HandoffResponse(
             chains=result.chains, blocks_written=result.blocks_written, skipped=result.skipped
         )

@@ -41,8 +41,8 @@ async def drain(service: AgentService, stop: Callable[[], None]) -> str:
     reserve = min(grace * HANDOFF_RESERVE, MAX_RESERVE_S)
     deadline = start + grace
     service.draining = True
-    log.info("draining: %d open sequences, grace %.1fs", len(service.handles), grace)
-    while service.handles and time.monotonic() < deadline - reserve:
+    log.info("draining: %d open sequences, grace %.1fs", len(service.sequences), grace)
+    while service.sequences and time.monotonic() < deadline - reserve:
         await asyncio.sleep(0.02)
     left = await service.release_all()
     if left:
@@ -63,6 +63,10 @@ async def handoff(service: AgentService, deadline: float) -> str:
     if service.engine.num_nodes == 0:
         return "none"
     blob = await service.export_hottest()
+    headers = {"content-type": "application/octet-stream"}
+    token = service.credentials.peer_token
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
     for peer in cfg.handoff_peers:
         remaining = deadline - time.monotonic()
         if remaining <= 0.1:
@@ -72,7 +76,7 @@ async def handoff(service: AgentService, deadline: float) -> str:
                 resp = await client.post(
                     f"{peer.rstrip('/')}/v1/handoff",
                     content=blob,
-                    headers={"content-type": "application/octet-stream"},
+                    headers=headers,
                 )
             if resp.status_code == 200:
                 return peer
@@ -96,16 +100,64 @@ def write_snapshot(path: Path, blob: bytes) -> None:
 
 
 async def warm_start(service: AgentService) -> ImportResult | None:
-    """Load the snapshot named in the config, if any; a bad or foreign one is logged, kept."""
+    """Load the snapshot named in the config, if any.
+
+    A snapshot that cannot be loaded (damaged, hostile, of another geometry, unreadable, or
+    any error while importing it) is logged and moved aside (``<name>.rejected-<unix time>``,
+    kept for inspection, never loaded again) and the agent starts empty: a bad file must not
+    keep the agent from starting.
+    """
     path = service.config.lifecycle.snapshot_path
-    if not path or not Path(path).is_file():
+    if not path:
         return None
+    snapshot = Path(path)
     try:
-        result = await service.import_blocks(Path(path).read_bytes())
-    except SnapshotError as err:
-        log.warning("warm start: snapshot %s not loaded: %s", path, err)
+        if not snapshot.is_file():
+            return None
+    except (OSError, ValueError) as err:
+        log.error("warm start: cannot look at snapshot %s, starting empty: %s", path, err)
+        return None
+    nodes_before = service.engine.num_nodes
+    try:
+        result = await service.import_blocks(snapshot.read_bytes())
+    except Exception as err:
+        if isinstance(err, SnapshotError):
+            log.error("warm start: snapshot %s refused, starting empty: %s", path, err)
+        else:
+            log.exception("warm start: loading snapshot %s failed, starting empty", path)
+        await _start_empty(service, nodes_before)
+        moved = set_aside(snapshot)
+        if moved is not None:
+            log.warning("warm start: moved the rejected snapshot to %s", moved)
         return None
     log.info(
         "warm start: %d blocks in %d chains from %s", result.blocks_written, result.chains, path
     )
     return result
+
+
+async def _start_empty(service: AgentService, nodes_before: int) -> None:
+    """Drop what a failed import left in the cache (a refused snapshot imports nothing)."""
+    if service.engine.num_nodes <= nodes_before:
+        return
+    try:
+        await service.call(service.engine.clear)
+    except Exception:
+        log.exception("warm start: clearing a partly imported snapshot failed")
+
+
+def set_aside(path: Path) -> Path | None:
+    """Rename a rejected snapshot to ``<name>.rejected-<unix time>[-n]``; None if it cannot."""
+    stamp = int(time.time())
+    for n in range(100):
+        target = path.with_name(f"{path.name}.rejected-{stamp}" + (f"-{n}" if n else ""))
+        if target.exists():
+            continue
+        try:
+            os.replace(path, target)
+        except OSError as err:
+            log.error("warm start: cannot move the rejected snapshot %s aside: %s", path, err)
+            return None
+        return target
+    log.error("warm start: cannot move the rejected snapshot %s aside: names taken", path)
+    return None

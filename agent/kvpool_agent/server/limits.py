@@ -84,8 +84,7 @@ class BodyLimits:
                         break
         except TimeoutError:
             reason = (
-                f"body: not received within {self.limits.body_timeout_s:g}s "
-                "(limits.body_timeout_s)"
+                f"body: not received within {self.limits.body_timeout_s:g}s (limits.body_timeout_s)"
             )
             await self._refuse(send, 408, reason, "body_timeout")
             return

@@ -122,9 +122,29 @@ class CacheCollector(Collector):
             ("restart_required", r.restart_required),
             ("invalid", r.invalid),
             ("unchanged", r.unchanged),
+            ("error", r.errors),
         ):
             reloads.add_metric([result], value)
         yield reloads
+        refused = CounterMetricFamily(
+            "kvpool_requests_refused",
+            "Requests refused before any engine work, by reason (unauthenticated, forbidden, "
+            "body_too_large, body_timeout, open_sequences, pinned_blocks).",
+            labels=["reason"],
+        )
+        for reason, value in sorted(svc.refusals.items()):
+            refused.add_metric([reason], value)
+        yield refused
+        yield _counter(
+            "kvpool_sequences_expired",
+            "Open sequences released after limits.sequence_idle_timeout_s without a call.",
+            svc.expired_sequences,
+        )
+        yield _counter(
+            "kvpool_credential_reload_errors",
+            "Credential file changes that could not be read (the running credentials stay).",
+            svc.credentials.reload_errors,
+        )
         yield GaugeMetricFamily(
             "kvpool_config_restart_pending",
             "1 while the config file holds a restart-only change not applied yet.",

@@ -4,7 +4,8 @@ A mounted ConfigMap is updated by swapping a symlink, so the watcher compares th
 (device, inode, mtime, size) of the resolved file every ``interval`` seconds rather than
 relying on inotify events on the path. A change is parsed and validated first; an invalid
 file is logged and counted and the running config stays. See ``AgentService.apply_config``
-for what happens to a valid one.
+for what happens to a valid one. Any other failure of a check is logged and counted
+(``reloads.errors``) and the watcher goes on polling, so a later valid edit still applies.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ class ConfigWatcher:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await self.check()
+            try:
+                await self.check()
+            except Exception:  # keep watching: a later edit may be fine
+                self.service.reloads.errors += 1
+                log.exception("config reload check of %s failed, still watching", self.path)
 
     async def check(self) -> bool:
         """Reload if the file changed since the last look; returns whether it had."""
