@@ -6,20 +6,26 @@ manifest the operator server-side-applies, so the whole child layout is testable
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from kvpool_agent.config import LIVE_FIELDS, AgentConfig
+from kvpool_agent.credentials import token_digest
 from kvpool_operator.models import (
     API_VERSION,
     COMPONENT_LABEL,
     CONFIG_HASH_ANNOTATION,
     KIND,
     POOL_LABEL,
+    TENANT_LABEL,
     KVCachePool,
 )
 
@@ -34,9 +40,36 @@ CONTAINER_NAME = "agent"
 METRICS_PATH = "/metrics"
 TERMINATION_MARGIN_S = 5
 
+SERVE_HOST = "0.0.0.0"
+"""What agents in pods bind: the pod network, behind credentials and the NetworkPolicy."""
+AUTH_DIR = "/etc/kvpool-auth"
+TENANTS_KEY = "tenants.yaml"
+PEER_TOKEN_KEY = "peer-token"
+TOKEN_KEY = "token"
+"""Key of a tenant Secret (generated or the user's own) that holds the bearer token."""
+TENANTS_PATH = f"{AUTH_DIR}/{TENANTS_KEY}"
+PEER_TOKEN_PATH = f"{AUTH_DIR}/{PEER_TOKEN_KEY}"
+AUTH_FILE_MODE = 0o440
+"""Owner and group (the pod's fsGroup) may read the mounted credentials, nobody else."""
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
 
 def config_map_name(pool: KVCachePool) -> str:
     return f"{pool.name}-agent-config"
+
+
+def auth_secret_name(pool: KVCachePool) -> str:
+    """The agents' credentials: tenant token digests and the pool's peer token."""
+    return f"{pool.name}-auth"
+
+
+def tenant_secret_name(pool: KVCachePool, tenant: str) -> str:
+    """The Secret the operator keeps a generated tenant token in (clients mount it)."""
+    return f"{pool.name}-tenant-{tenant}"
+
+
+def network_policy_name(pool: KVCachePool) -> str:
+    return pool.name
 
 
 def selector_labels(pool: KVCachePool) -> dict[str, str]:
@@ -113,12 +146,34 @@ def peer_urls(pool: KVCachePool, replicas: int) -> list[str]:
     ]
 
 
+def own_peer_url(pool: KVCachePool, url: str) -> bool:
+    """Whether ``url`` names a pod of this pool, in ``peer_urls``' form, for any ordinal
+    (``.cluster.local`` and a trailing slash allowed)."""
+    name, ns = re.escape(pool.name), re.escape(pool.namespace)
+    pattern = rf"http://{name}-(0|[1-9][0-9]*)\.{name}\.{ns}\.svc(\.cluster\.local)?:{AGENT_PORT}/?"
+    return re.fullmatch(pattern, url) is not None
+
+
+def pod_agent_config(pool: KVCachePool) -> AgentConfig:
+    """The spec's agent config as the pods run it: serving the pod network, with the
+    credentials of the mounted ``<pool>-auth`` Secret. Only the file paths are in the config
+    (and its hash): tokens change in the Secret, which agents re-read, and roll no pod."""
+    doc = pool.spec.agent_config().model_dump(mode="python")
+    doc["server"]["host"] = SERVE_HOST
+    doc["auth"] = {
+        "tenants_file": TENANTS_PATH,
+        "peer_token_file": PEER_TOKEN_PATH,
+        "allow_unauthenticated": False,
+    }
+    return AgentConfig.model_validate(doc)
+
+
 def pool_agent_config(pool: KVCachePool, replicas: int | None = None) -> AgentConfig:
-    """The spec's agent config, plus the pool's pods as handoff peers for warm handoff.
+    """The pods' agent config, plus the pool's pods as handoff peers for warm handoff.
 
     Peers are a live field, so scaling rewrites the ConfigMap without rolling the pods.
     """
-    config = pool.spec.agent_config()
+    config = pod_agent_config(pool)
     if pool.spec.rollout.warm_handoff and not config.lifecycle.handoff_peers:
         count = pool.spec.desired_replicas() if replicas is None else replicas
         lifecycle = config.lifecycle.model_copy(update={"handoff_peers": peer_urls(pool, count)})
@@ -163,7 +218,7 @@ def desired_service(pool: KVCachePool) -> Manifest:
                 {"name": "http", "port": AGENT_PORT, "targetPort": "http", "protocol": "TCP"},
                 *(
                     {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
-                    for name, port in event_ports(pool.spec.agent_config())
+                    for name, port in event_ports(pod_agent_config(pool))
                 ),
             ],
         },
@@ -192,7 +247,7 @@ def _env() -> list[dict[str, Any]]:
 
 def desired_pod_template(pool: KVCachePool) -> Manifest:
     pod = pool.spec.pod
-    config = pool.spec.agent_config()
+    config = pod_agent_config(pool)
     annotations = {**(pod.annotations or {}), CONFIG_HASH_ANNOTATION: config_hash(config)}
     resources = pod.resources.model_dump(exclude_none=True)
     container: dict[str, Any] = {
@@ -219,6 +274,7 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
         },
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
@@ -232,6 +288,8 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "enableServiceLinks": False,
+        # Agents never call the Kubernetes API: no service account token in the pod.
+        "automountServiceAccountToken": False,
         # The agent drains and hands off within its grace period: give it that and a margin.
         "terminationGracePeriodSeconds": math.ceil(config.lifecycle.grace_period_s)
         + TERMINATION_MARGIN_S,
@@ -240,6 +298,12 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
             # A directory mount, not subPath: kubelet updates it in place, so agents see
             # ConfigMap edits and reload their live fields.
             {"name": "config", "configMap": {"name": config_map_name(pool)}},
+            # Also a directory mount: kubelet refreshes it in place and the agents re-read
+            # the files, so a tenant added, removed or rotated reaches them with no restart.
+            {
+                "name": "auth",
+                "secret": {"secretName": auth_secret_name(pool), "defaultMode": AUTH_FILE_MODE},
+            },
             {"name": "tmp", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         ],
@@ -318,16 +382,133 @@ def desired_servicemonitor(pool: KVCachePool) -> Manifest:
     }
 
 
-def desired_children(
-    pool: KVCachePool, *, replicas: int | None = None, service_monitor: bool = False
-) -> list[Manifest]:
-    """Every child in apply order: config first, so new pods mount the current config."""
-    children = [
-        desired_configmap(pool, replicas),
-        desired_service(pool),
-        desired_statefulset(pool, replicas),
-        desired_pdb(pool),
+@dataclass(frozen=True)
+class PoolCredentials:
+    """The tokens of a pool, as the operator decided them for one reconcile."""
+
+    peer_token: str
+    tenant_tokens: Mapping[str, str]
+    """Tenant name -> token, for every tenant with a usable token (generated or the user's)."""
+    generated: frozenset[str] = field(default_factory=frozenset)
+    """Tenants whose token the operator keeps in ``<pool>-tenant-<name>``."""
+
+
+@dataclass(frozen=True)
+class OperatorPeer:
+    """Where the operator's pods run, so each pool's NetworkPolicy lets them scrape metrics."""
+
+    namespace: str
+    labels: Mapping[str, str]
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def tenants_file(credentials: PoolCredentials) -> str:
+    """The agents' tenants file: ``{tenant: "sha256:<hex>"}``, no token in clear."""
+    digests = {name: token_digest(tok) for name, tok in sorted(credentials.tenant_tokens.items())}
+    return yaml.safe_dump(digests, sort_keys=True)
+
+
+def desired_auth_secret(pool: KVCachePool, credentials: PoolCredentials) -> Manifest:
+    """What the agents mount at ``AUTH_DIR``: tenant digests and the peer token."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(pool, auth_secret_name(pool)),
+        "type": "Opaque",
+        "data": {
+            TENANTS_KEY: _b64(tenants_file(credentials)),
+            PEER_TOKEN_KEY: _b64(credentials.peer_token),
+        },
+    }
+
+
+def desired_tenant_secret(pool: KVCachePool, tenant: str, token: str) -> Manifest:
+    """A generated tenant token, for the tenant's client pods to mount (key ``token``)."""
+    meta = _metadata(pool, tenant_secret_name(pool, tenant))
+    meta["labels"] = {**meta["labels"], TENANT_LABEL: tenant}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "data": {TOKEN_KEY: _b64(token)},
+    }
+
+
+def desired_secrets(pool: KVCachePool, credentials: PoolCredentials) -> list[Manifest]:
+    """Generated tenant Secrets first, then the agents' Secret that names their digests."""
+    tenants = [
+        desired_tenant_secret(pool, t.name, credentials.tenant_tokens[t.name])
+        for t in pool.spec.auth.tenants
+        if t.name in credentials.generated
     ]
+    return [*tenants, desired_auth_secret(pool, credentials)]
+
+
+def desired_network_policy(pool: KVCachePool, operator: OperatorPeer | None = None) -> Manifest:
+    """Ingress to the agent pods: the HTTP port from the clients, the pool's own pods (warm
+    handoff) and the operator's pods (metrics); the KV event ports from the event consumers
+    only (none unless ``spec.network.eventConsumerSelector`` is set)."""
+    net = pool.spec.network
+
+    def in_client_namespaces(labels: Mapping[str, str]) -> dict[str, Any]:
+        peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(labels)}}
+        if net.client_namespace_selector is not None:
+            peer["namespaceSelector"] = {"matchLabels": dict(net.client_namespace_selector)}
+        return peer
+
+    http_from = [
+        in_client_namespaces(net.clients(pool.name)),
+        {"podSelector": {"matchLabels": selector_labels(pool)}},
+    ]
+    if operator is not None:
+        http_from.append(
+            {
+                "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator.namespace}},
+                "podSelector": {"matchLabels": dict(operator.labels)},
+            }
+        )
+    ingress: list[dict[str, Any]] = [
+        {"from": http_from, "ports": [{"protocol": "TCP", "port": "http"}]}
+    ]
+    ports = event_ports(pod_agent_config(pool))
+    if net.event_consumer_selector is not None and ports:
+        ingress.append(
+            {
+                "from": [in_client_namespaces(net.event_consumer_selector)],
+                "ports": [{"protocol": "TCP", "port": name} for name, _ in ports],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pool, network_policy_name(pool)),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(pool)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def desired_children(
+    pool: KVCachePool,
+    *,
+    replicas: int | None = None,
+    service_monitor: bool = False,
+    credentials: PoolCredentials | None = None,
+    operator: OperatorPeer | None = None,
+) -> list[Manifest]:
+    """Every child in apply order: credentials and config first, so new pods mount the
+    current ones, and the NetworkPolicy before the pods it protects."""
+    children = desired_secrets(pool, credentials) if credentials is not None else []
+    children += [desired_configmap(pool, replicas), desired_service(pool)]
+    if pool.spec.network.policy:
+        children.append(desired_network_policy(pool, operator))
+    children += [desired_statefulset(pool, replicas), desired_pdb(pool)]
     if service_monitor:
         children.append(desired_servicemonitor(pool))
     return children

@@ -15,7 +15,10 @@ import kopf
 
 from kvpool_operator.kube import KubeApi, KubeError
 from kvpool_operator.models import GROUP, PLURAL, PREFIX, VERSION
+from kvpool_operator.policy import OperatorPolicy
 from kvpool_operator.reconcile import OperatorContext, pool_key, reconcile
+
+log = logging.getLogger(__name__)
 
 registry = kopf.OperatorRegistry()
 """The handlers of this module only: ``kopf.run(registry=...)`` and tests use it."""
@@ -46,7 +49,14 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Settings, and the API client every handler shares (kopf runs this before login)."""
     configure_settings(settings)
     if CONTEXT_KEY not in memo:
-        memo[CONTEXT_KEY] = OperatorContext(api=KubeApi.from_environment())
+        policy = OperatorPolicy.from_environment()
+        if policy.operator_peer is None:
+            log.warning(
+                "the operator's namespace and pod labels are unknown (--operator-namespace or "
+                "POD_NAMESPACE, --operator-pod-labels): pools' NetworkPolicies will not admit "
+                "the operator's metrics scrapes"
+            )
+        memo[CONTEXT_KEY] = OperatorContext(api=KubeApi.from_environment(), policy=policy)
 
 
 @kopf.on.login(registry=registry)

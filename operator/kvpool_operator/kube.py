@@ -24,6 +24,8 @@ Manifest = dict[str, Any]
 
 PLURALS: dict[str, str] = {
     "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
     "Service": "services",
     "Pod": "pods",
     "Event": "events",
@@ -165,6 +167,16 @@ class KubeApi:
             if err.not_found:
                 return None
             raise
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete an object; False when it was already gone."""
+        try:
+            self.request("DELETE", object_path(api_version, kind, namespace, name))
+        except KubeError as err:
+            if err.not_found:
+                return False
+            raise
+        return True
 
     def list(
         self, api_version: str, kind: str, namespace: str, label_selector: str

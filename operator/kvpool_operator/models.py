@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvpool_agent.config import (
+    TENANT_NAME_PATTERN,
     AgentConfig,
     EventsConfig,
     KvCacheConfig,
@@ -34,10 +35,17 @@ PREFIX = "kvpool.io"
 """Prefix of every label, annotation and finalizer the operator owns."""
 CONFIG_HASH_ANNOTATION = f"{PREFIX}/config-hash"
 POOL_LABEL = f"{PREFIX}/pool"
+TENANT_LABEL = f"{PREFIX}/tenant"
+CLIENT_LABEL = f"{PREFIX}/client"
+"""Default client selector of a pool's NetworkPolicy: pods labelled ``kvpool.io/client: <pool>``."""
 COMPONENT_LABEL = "app.kubernetes.io/component"
 FIELD_MANAGER = "kvpool-operator"
 
 DEFAULT_IMAGE = "ghcr.io/kvpool/kvpool:0.1.0"
+DEFAULT_TENANT = "default"
+MAX_TENANTS = 64
+MAX_SELECTOR_LABELS = 32
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 class _CrModel(BaseModel):
@@ -285,6 +293,86 @@ class MonitoringSpec(_CrModel):
     )
 
 
+class TenantSpec(_CrModel):
+    """One tenant of the pool: a name, and the Secret that holds its bearer token."""
+
+    name: str = Field(
+        ...,
+        max_length=63,
+        pattern=TENANT_NAME_PATTERN,
+        description="Tenant name (a DNS label): its cache namespace in the agents and the "
+        "suffix of the Secret <pool>-tenant-<name> the operator writes its token to.",
+    )
+    secret_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="A Secret of yours, in the pool's namespace, whose key `token` holds the "
+        "tenant's token; unset: the operator generates the token once and keeps it in "
+        "<pool>-tenant-<name> (delete that Secret to rotate it).",
+    )
+
+
+def _default_tenants() -> list[TenantSpec]:
+    return [TenantSpec(name=DEFAULT_TENANT)]
+
+
+class AuthSpec(_CrModel):
+    """Who may call the agents: every API call needs a tenant's bearer token."""
+
+    tenants: list[TenantSpec] = Field(
+        default_factory=_default_tenants,
+        max_length=MAX_TENANTS,
+        description="The pool's tenants, unique by name. Each has its own token and cache "
+        "namespace; removing one revokes its token at once (no pod restarts).",
+        json_schema_extra={"default": [{"name": DEFAULT_TENANT}]},
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> AuthSpec:
+        seen: set[str] = set()
+        for tenant in self.tenants:
+            if tenant.name in seen:
+                raise ValueError(f"tenants: name {tenant.name!r} appears more than once")
+            seen.add(tenant.name)
+        return self
+
+
+class NetworkSpec(_CrModel):
+    """The pool's NetworkPolicy: who may open connections to the agent pods."""
+
+    policy: bool = Field(
+        default=True,
+        description="Create a NetworkPolicy admitting only the clients, the pool's own pods "
+        "(handoff) and the operator (metrics) to the HTTP port, and only the event consumers "
+        "to the KV event ports. Needs a CNI that enforces NetworkPolicy.",
+    )
+    client_selector: dict[str, str] | None = Field(
+        default=None,
+        max_length=MAX_SELECTOR_LABELS,
+        description="Labels of the client pods admitted to the HTTP port; unset: pods "
+        "labelled kvpool.io/client: <pool name>.",
+    )
+    client_namespace_selector: dict[str, str] | None = Field(
+        default=None,
+        max_length=MAX_SELECTOR_LABELS,
+        description="Labels of the namespaces the clients and event consumers run in; unset: "
+        "the pool's namespace only; {}: every namespace.",
+    )
+    event_consumer_selector: dict[str, str] | None = Field(
+        default=None,
+        max_length=MAX_SELECTOR_LABELS,
+        description="Labels of the pods admitted to the KV event ports (ZMQ, no credential), "
+        "in the clients' namespaces; unset: none.",
+    )
+
+    def clients(self, pool_name: str) -> dict[str, str]:
+        """The effective client selector (the default names the pool)."""
+        if self.client_selector is not None:
+            return dict(self.client_selector)
+        return {CLIENT_LABEL: pool_name}
+
+
 class KVCachePoolSpec(_CrModel):
     """The desired state of a pool of paged KV cache agents."""
 
@@ -321,6 +409,16 @@ class KVCachePoolSpec(_CrModel):
     monitoring: MonitoringSpec = Field(
         default_factory=MonitoringSpec,
         description="Prometheus integration.",
+        json_schema_extra={"default": {}},
+    )
+    auth: AuthSpec = Field(
+        default_factory=AuthSpec,
+        description="Tenants and their tokens (Secrets the operator manages).",
+        json_schema_extra={"default": {}},
+    )
+    network: NetworkSpec = Field(
+        default_factory=NetworkSpec,
+        description="The NetworkPolicy of the agent pods.",
         json_schema_extra={"default": {}},
     )
 

@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvpool_agent.config import AgentConfig, changed_fields, format_validation_error, restart_fields
-from kvpool_operator import children
+from kvpool_operator import children, tokens
 from kvpool_operator.autoscaler import ScalerState, decide
 from kvpool_operator.kube import KubeApi, KubeError
 from kvpool_operator.metrics import (
@@ -30,6 +30,7 @@ from kvpool_operator.metrics import (
     scrape_pool,
 )
 from kvpool_operator.models import API_VERSION, KIND, CacheStatus, KVCachePool, KVCachePoolStatus
+from kvpool_operator.policy import HANDOFF_PEER_NOT_ALLOWED, IMAGE_NOT_ALLOWED, OperatorPolicy
 from kvpool_operator.status import Problem, RolloutState, compute_status, rfc3339, write_status
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ CACHE_STATUS_PERIOD = 30.0
 """Cache figures reach the pool's status at most this often."""
 
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
+NETWORK_POLICY_API = "networking.k8s.io/v1"
+TENANT_SECRET_MISSING = "TenantSecretMissing"
 
 
 @dataclass
@@ -61,6 +64,8 @@ class OperatorContext:
     scraper: Scraper = http_scraper
     clock: Callable[[], float] = time.time
     metrics_port: int = children.AGENT_PORT
+    policy: OperatorPolicy = field(default_factory=OperatorPolicy)
+    """The operator's bounds on pools (allowed images, handoff peers) and its own pods."""
     runtimes: dict[str, PoolRuntime] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -126,25 +131,26 @@ def _reconcile_locked(
 
     try:
         pool = KVCachePool.model_validate({**body, "apiVersion": API_VERSION, "kind": KIND})
-        pool.spec.agent_config()
+        children.pod_agent_config(pool)
     except ValidationError as err:
         message = format_validation_error(err, f"KVCachePool {namespace}/{name}")
         report.event("Warning", "InvalidSpec", message, once=True)
-        sts = ctx.api.get("apps/v1", "StatefulSet", namespace, name)
-        status = compute_status(
-            rollout=RolloutState.from_statefulset(sts, 0),
-            generation=meta.get("generation"),
-            selector=current_status.get("selector", ""),
-            config_hash=None,
-            problem=Problem("InvalidSpec", message),
-            previous=previous_status,
-            cache=None,
-            last_scale_time=None,
-            now=now,
-        )
-        write_status(ctx.api, namespace, name, status, current_status)
+        selector = current_status.get("selector", "")
+        problem = Problem("InvalidSpec", message)
+        _refuse(ctx, meta, selector, problem, current_status, previous_status, now)
         return
     report.resolved("InvalidSpec")
+
+    refused = ctx.policy.violation(pool)
+    for reason in (IMAGE_NOT_ALLOWED, HANDOFF_PEER_NOT_ALLOWED):
+        if refused is None or refused.reason != reason:
+            report.resolved(reason)
+    if refused is not None:
+        # Not applied at all: a running pool keeps its pods as they were.
+        report.event("Warning", refused.reason, refused.message, once=True)
+        selector = children.selector_string(pool)
+        _refuse(ctx, meta, selector, refused, current_status, previous_status, now)
+        return
 
     replicas = pool.spec.desired_replicas()
     last_scale_time: str | None = None
@@ -152,7 +158,6 @@ def _reconcile_locked(
         replicas, last_scale_time = _metrics_step(ctx, runtime, pool, replicas, report, now)
 
     monitor = pool.spec.monitoring.service_monitor and _service_monitor_ready(ctx, report)
-    desired = children.desired_children(pool, replicas=replicas, service_monitor=monitor)
     config = children.pool_agent_config(pool, replicas)
     new_hash = children.config_hash(config)
 
@@ -160,8 +165,18 @@ def _reconcile_locked(
     old_cm = ctx.api.get("v1", "ConfigMap", namespace, children.config_map_name(pool))
     applied: dict[str, dict[str, Any]] = {}
     try:
+        resolved = tokens.resolve_credentials(ctx.api, pool)
+        desired = children.desired_children(
+            pool,
+            replicas=replicas,
+            service_monitor=monitor,
+            credentials=resolved.credentials,
+            operator=ctx.policy.operator_peer,
+        )
         for manifest in desired:
             applied[manifest["kind"]] = ctx.api.apply(manifest)
+        revoked = tokens.delete_stale(ctx.api, pool, resolved.stale)
+        policy_removed = not pool.spec.network.policy and _remove_network_policy(ctx, pool)
     except KubeError as err:
         problem = Problem("ApplyFailed", f"applying children failed: {err}")
         report.event("Warning", "ApplyFailed", problem.message, once=True)
@@ -169,19 +184,102 @@ def _reconcile_locked(
         raise
     report.resolved("ApplyFailed")
 
+    problem = None
+    if resolved.missing:
+        problem = Problem(TENANT_SECRET_MISSING, "; ".join(resolved.missing))
+        report.event("Warning", TENANT_SECRET_MISSING, problem.message, once=True)
+    else:
+        report.resolved(TENANT_SECRET_MISSING)
+
     _report_changes(report, pool, old_sts, old_cm, config, new_hash, replicas, monitor)
+    if old_sts is not None:
+        _report_credentials(report, pool, resolved, revoked, policy_removed)
     _write(
         ctx,
         pool,
         applied.get("StatefulSet"),
         replicas,
         new_hash,
-        None,
+        problem,
         previous_status,
         runtime,
         now,
         last_scale_time,
     )
+
+
+def _refuse(
+    ctx: OperatorContext,
+    meta: dict[str, Any],
+    selector: str,
+    problem: Problem,
+    current: dict[str, Any],
+    previous: KVCachePoolStatus | None,
+    now: float,
+) -> None:
+    """Status of a pool the operator will not apply: Degraded with the reason, the rest
+    from whatever StatefulSet is there (left as it was)."""
+    namespace, name = str(meta.get("namespace") or "default"), str(meta["name"])
+    sts = ctx.api.get("apps/v1", "StatefulSet", namespace, name)
+    status = compute_status(
+        rollout=RolloutState.from_statefulset(sts, 0),
+        generation=meta.get("generation"),
+        selector=selector,
+        config_hash=None,
+        problem=problem,
+        previous=previous,
+        cache=None,
+        last_scale_time=None,
+        now=now,
+    )
+    write_status(ctx.api, namespace, name, status, current)
+
+
+def _remove_network_policy(ctx: OperatorContext, pool: KVCachePool) -> bool:
+    """spec.network.policy turned off: delete the pool's NetworkPolicy if it has one."""
+    name = children.network_policy_name(pool)
+    existing = ctx.api.get(NETWORK_POLICY_API, "NetworkPolicy", pool.namespace, name)
+    if not tokens.controlled_by(existing, pool):
+        return False
+    return ctx.api.delete(NETWORK_POLICY_API, "NetworkPolicy", pool.namespace, name)
+
+
+def _report_credentials(
+    report: Reporter,
+    pool: KVCachePool,
+    resolved: tokens.ResolvedCredentials,
+    revoked: list[str],
+    policy_removed: bool,
+) -> None:
+    """Events for credential changes of a running pool (agents re-read them, no restart)."""
+    if resolved.issued:
+        secrets = ", ".join(children.tenant_secret_name(pool, t) for t in resolved.issued)
+        report.event(
+            "Normal",
+            "TokenIssued",
+            f"generated a new token for tenant {', '.join(resolved.issued)} in Secret "
+            f"{secrets}; agents accept it once kubelet refreshes the mounted "
+            f"{children.auth_secret_name(pool)} (no restart)",
+        )
+    if resolved.peer_issued:
+        report.event(
+            "Normal",
+            "PeerTokenIssued",
+            f"generated a new peer token in Secret {children.auth_secret_name(pool)}",
+        )
+    if revoked:
+        report.event(
+            "Normal",
+            "TenantRevoked",
+            f"tenants removed from spec.auth.tenants: deleted Secret {', '.join(revoked)}",
+        )
+    if policy_removed:
+        report.event(
+            "Normal",
+            "NetworkPolicyRemoved",
+            f"spec.network.policy is false: deleted NetworkPolicy "
+            f"{children.network_policy_name(pool)}",
+        )
 
 
 def _write(
@@ -322,11 +420,19 @@ def _report_changes(
     """One event per thing the operator did: created, reloaded live config, rolled, scaled."""
     if old_sts is None:
         extra = ", ServiceMonitor" if monitor else ""
+        if pool.spec.network.policy:
+            extra = f", NetworkPolicy{extra}"
+        tenants = [
+            children.tenant_secret_name(pool, t.name)
+            for t in pool.spec.auth.tenants
+            if not t.secret_name
+        ]
         report.event(
             "Normal",
             "Created",
             f"created StatefulSet {pool.name} ({replicas} replicas), headless Service, "
-            f"ConfigMap {children.config_map_name(pool)}, PodDisruptionBudget{extra}",
+            f"ConfigMap {children.config_map_name(pool)}, PodDisruptionBudget, Secrets "
+            f"{', '.join([children.auth_secret_name(pool), *tenants])}{extra}",
         )
         return
     old_config = _old_agent_config(old_cm)

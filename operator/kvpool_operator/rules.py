@@ -98,6 +98,12 @@ SPEC_RULES: dict[tuple[str, ...], dict[str, Any]] = {
         ]
     },
     ("monitoring", "interval"): {"pattern": "^[0-9]+(ms|s|m|h)$"},
+    # A map-list keyed by name: the API server refuses two tenants of one name
+    # ("Duplicate value"), and server-side apply merges tenants by name.
+    ("auth", "tenants"): {
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+    },
 }
 """Extra schema keys per path under ``spec`` (``[*]`` is an array's items)."""
 

@@ -86,6 +86,12 @@ def test_every_default_key_is_declared(schema: dict[str, Any], defaults: dict[st
         ("serviceMonitor.interval", "30 seconds"),
         ("podDisruptionBudget.maxUnavailable", "half"),
         ("resources.limits", {"memory": "lots"}),
+        ("operator.clusterWide", "yes"),
+        ("operator.allowedImagePrefixes", "ghcr.io/kvpool/"),
+        ("operator.allowedImagePrefixes", [""]),
+        ("operator.allowedImagePrefixes", ["a b/"]),
+        ("operator.allowForeignHandoffPeers", "no"),
+        ("networkPolicy.enabled", "on"),
     ],
 )
 def test_schema_rejects_bad_values_naming_the_field(
@@ -104,12 +110,32 @@ def test_schema_rejects_bad_values_naming_the_field(
         ("podDisruptionBudget.minAvailable", 1),
         ("resources.limits", {"cpu": "500m", "memory": "1Gi"}),
         ("serviceMonitor.interval", "1m30s"),
+        ("operator.clusterWide", True),
+        ("operator.allowedImagePrefixes", ["ghcr.io/kvpool/", "registry.local:5000/"]),
+        ("operator.allowForeignHandoffPeers", True),
+        ("networkPolicy.enabled", False),
     ],
 )
 def test_schema_accepts_good_values(
     schema: dict[str, Any], defaults: dict[str, Any], path: str, value: Any
 ) -> None:
     assert errors(schema, with_value(defaults, path, value)) == []
+
+
+def test_defaults_are_namespaced_and_closed(defaults: dict[str, Any]) -> None:
+    """The safe defaults the README promises: the release's namespace only, a NetworkPolicy
+    for the operator, any image (no prefix list) but only the pools' own handoff peers."""
+    operator = defaults["operator"]
+    assert operator["watchNamespaces"] == [] and operator["clusterWide"] is False
+    assert operator["allowedImagePrefixes"] == []
+    assert operator["allowForeignHandoffPeers"] is False
+    assert defaults["networkPolicy"] == {"enabled": True}
+
+
+def test_every_template_is_listed_in_the_readme() -> None:
+    readme = (CHART / "README.md").read_text()
+    for template in sorted((CHART / "templates").glob("*.yaml")):
+        assert f"`templates/{template.name}`" in readme, template.name
 
 
 def test_chart_crd_is_the_generated_one() -> None:

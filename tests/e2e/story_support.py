@@ -9,19 +9,25 @@ What a real cluster would do and the dev cluster does not, done here on loopback
   chart's ServiceAccount (a TokenRequest token, so the chart's RBAC is what it gets);
 - the kubelet's part for agent pods: kwok marks them Running with a 127.x IP, and
   ``PodAgentHarness`` starts the container's command for each. ``LoopbackKubelet`` projects
-  the pod's ConfigMap volumes into a per-pod directory (kept in sync every second, as kubelet
-  does, so live config edits reach the running agent), rewrites the mount paths in the
-  command line, and runs the readiness probe kwok does not: a pod is Ready only while its
-  agent answers ``/readyz``;
+  the pod's ConfigMap and Secret volumes into a per-pod directory (kept in sync every second,
+  as kubelet does, so live config edits and rotated credentials reach the running agent),
+  rewrites the mount paths in the command line and in the projected config (the agent's
+  credential files), and runs the readiness probe kwok does not: a pod is Ready only while
+  its agent answers ``/readyz``;
 - cluster DNS for the pods' stable names: the operator lists the pool's pods as handoff peers
   by their StatefulSet DNS names (``pool-0.pool.ns.svc``). ``PeerProxies`` gives each such
   name a fixed 127.0.0.1 port that forwards to the pod's current IP, and the projected
   config names that port, so a warm handoff reaches whichever pod holds the name now.
+
+Agents authenticate (the operator's ``<pool>-auth`` Secret): whatever talks to them here
+presents the token of the pool's ``default`` tenant, read from ``<pool>-tenant-default``
+(``tenant_token``), as a client pod mounting that Secret would.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import datetime
 import http.server
@@ -97,9 +103,13 @@ def wait_until(what: str, probe: Callable[[], Any], timeout: float, every: float
         time.sleep(every)
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def http_get(
+    url: str, timeout: float = 2.0, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     try:
-        with _DIRECT.open(url, timeout=timeout) as resp:
+        with _DIRECT.open(
+            urllib.request.Request(url, headers=headers or {}), timeout=timeout
+        ) as resp:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as err:
         return int(err.code), err.read()
@@ -118,6 +128,21 @@ def get_json(cluster: DevCluster, namespace: str | None, *what: str) -> dict[str
     return json.loads(result.stdout) if result.returncode == 0 else None
 
 
+def tenant_token(
+    cluster: DevCluster, namespace: str, pool: str, tenant: str = "default", timeout: float = 60.0
+) -> str:
+    """The bearer token a client of the pool presents: key ``token`` of the operator's
+    ``<pool>-tenant-<tenant>`` Secret (what a client pod mounts)."""
+
+    def read() -> str | None:
+        secret = get_json(cluster, namespace, f"secret/{pool}-tenant-{tenant}")
+        raw = ((secret or {}).get("data") or {}).get("token")
+        return base64.b64decode(raw).decode().strip() if raw else None
+
+    token: str = wait_until(f"Secret {pool}-tenant-{tenant}", read, timeout)
+    return token
+
+
 def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
     for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
         if cond.get("type") == kind:
@@ -126,6 +151,9 @@ def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
 
 
 # -- cluster DNS for the pods' stable names -------------------------------------------------
+
+
+_FORWARDED_HEADERS = ("content-type", "authorization", "accept")
 
 
 class _Forwarder(http.server.BaseHTTPRequestHandler):
@@ -141,8 +169,9 @@ class _Forwarder(http.server.BaseHTTPRequestHandler):
             self.send_error(502, "no pod holds this name now")
             return
         req = urllib.request.Request(f"{base}{self.path}", data=body, method=self.command)
-        if self.headers.get("content-type"):
-            req.add_header("content-type", self.headers["content-type"])
+        for name in _FORWARDED_HEADERS:  # the peer token travels with a handoff
+            if self.headers.get(name):
+                req.add_header(name, self.headers[name])
         try:
             with _DIRECT.open(req, timeout=60) as resp:
                 status, data, ctype = resp.status, resp.read(), resp.headers.get("content-type")
@@ -206,12 +235,14 @@ class PeerProxies:
             self._servers.clear()
 
 
-# -- the kubelet's part: ConfigMap volumes and the container command ------------------------
+# -- the kubelet's part: ConfigMap and Secret volumes and the container command --------------
 
 
 @dataclass
 class _Mount:
-    config_map: str
+    kind: str
+    """``configmap`` or ``secret``."""
+    name: str
     local_dir: Path
     items: dict[str, str] | None = None
 
@@ -220,16 +251,20 @@ class _Mount:
 class _PodFiles:
     pod: PodInfo
     mounts: list[_Mount] = field(default_factory=list)
+    rewrites: dict[str, str] = field(default_factory=dict)
+    """Mount path in the pod -> the local directory standing for it."""
 
 
 class LoopbackKubelet:
     """A ``CommandFactory`` for ``PodAgentHarness`` that runs agent pods like a kubelet would.
 
-    For each pod it projects the ConfigMap volumes into ``workdir/pods/<ns>_<name>_<uid>``,
-    rewrites mount paths in the container's command line, runs ``kvpool`` as this Python's
-    module, and binds the pod IP (the pod's own network namespace in a real cluster).
-    ``sync()`` (every second from ``start()``) re-projects changed ConfigMaps and refreshes
-    the pod IPs behind ``PeerProxies``.
+    For each pod it projects the ConfigMap and Secret volumes (data base64-decoded, as kubelet
+    writes them) into ``workdir/pods/<ns>_<name>_<uid>``, rewrites mount paths in the
+    container's command line and in the projected ConfigMap text (the agent config names its
+    credential files by their mount paths), runs ``kvpool`` as this Python's module, and binds
+    the pod IP (the pod's own network namespace in a real cluster). ``sync()`` (every second
+    from ``start()``) re-projects changed ConfigMaps and Secrets and refreshes the pod IPs
+    behind ``PeerProxies``.
     """
 
     def __init__(
@@ -273,7 +308,11 @@ class LoopbackKubelet:
             volume = volumes.get(vm.name)
             if volume is not None and volume.config_map is not None:
                 items = {i.key: i.path for i in volume.config_map.items or []} or None
-                files.mounts.append(_Mount(volume.config_map.name, local, items))
+                files.mounts.append(_Mount("configmap", volume.config_map.name, local, items))
+            elif volume is not None and volume.secret is not None:
+                items = {i.key: i.path for i in volume.secret.items or []} or None
+                files.mounts.append(_Mount("secret", volume.secret.secret_name, local, items))
+        files.rewrites = rewrites
         self.proxies.pod_ips[(pod.namespace, pod.name)] = pod.pod_ip
         self._project(files, {})
         with self._lock:
@@ -285,38 +324,53 @@ class LoopbackKubelet:
         port = next((p.container_port for p in container.ports or [] if p.name == "http"), 8000)
         return [*argv, "--host", pod.pod_ip, "--port", str(port)]
 
-    def _project(self, files: _PodFiles, cache: dict[str, dict[str, str] | None]) -> None:
+    def _read(self, mount: _Mount, namespace: str) -> dict[str, str] | None:
+        """A volume's files as kubelet writes them: ConfigMap text, Secret data decoded."""
+        try:
+            if mount.kind == "secret":
+                secret: Any = self.core.read_namespaced_secret(mount.name, namespace)
+                return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+            cm: Any = self.core.read_namespaced_config_map(mount.name, namespace)
+            return dict(cm.data or {})
+        except Exception as err:  # not there yet: like kubelet, retry on the next pass
+            self.errors.append(f"{mount.kind} {mount.name}: {err!r}")
+            return None
+
+    def _project(
+        self, files: _PodFiles, cache: dict[tuple[str, str], dict[str, str] | None]
+    ) -> None:
         for mount in files.mounts:
-            if mount.config_map not in cache:
-                try:
-                    cm: Any = self.core.read_namespaced_config_map(
-                        mount.config_map, files.pod.namespace
-                    )
-                    cache[mount.config_map] = dict(cm.data or {})
-                except Exception as err:  # a ConfigMap not there yet: like kubelet, retry
-                    self.errors.append(f"configmap {mount.config_map}: {err!r}")
-                    cache[mount.config_map] = None
-            data = cache[mount.config_map]
+            key = (mount.kind, mount.name)
+            if key not in cache:
+                cache[key] = self._read(mount, files.pod.namespace)
+            data = cache[key]
             if data is None:
                 continue
-            for key, text in data.items():
-                name = (mount.items or {}).get(key, key) if mount.items else key
-                if mount.items is not None and key not in mount.items:
+            for key_name, text in data.items():
+                if mount.items is not None and key_name not in mount.items:
                     continue
-                _write_if_changed(mount.local_dir / name, self._translate_peers(text))
+                name = mount.items[key_name] if mount.items else key_name
+                if mount.kind == "configmap":
+                    text = self._translate(text, files.rewrites)
+                _write_if_changed(mount.local_dir / name, text)
 
-    def _translate_peers(self, text: str) -> str:
-        """Agent config files: handoff peers' DNS names -> their ``PeerProxies`` URLs."""
+    def _translate(self, text: str, rewrites: dict[str, str]) -> str:
+        """Agent config files: handoff peers' DNS names -> their ``PeerProxies`` URLs, and
+        paths under a mount (the credential files) -> the pod's local directories."""
         try:
             doc = yaml.safe_load(text)
         except yaml.YAMLError:
             return text
-        lifecycle = doc.get("lifecycle") if isinstance(doc, dict) else None
-        if not isinstance(lifecycle, dict) or not lifecycle.get("handoff_peers"):
+        if not isinstance(doc, dict):
             return text
-        peers = lifecycle["handoff_peers"]
-        lifecycle["handoff_peers"] = [self.proxies.translate(str(p)) for p in peers]
-        return yaml.safe_dump(doc, sort_keys=False)
+        translated = _rewrite_paths(doc, rewrites)
+        lifecycle = translated.get("lifecycle")
+        if isinstance(lifecycle, dict) and lifecycle.get("handoff_peers"):
+            peers = lifecycle["handoff_peers"]
+            lifecycle["handoff_peers"] = [self.proxies.translate(str(p)) for p in peers]
+        if translated == doc:
+            return text
+        return yaml.safe_dump(translated, sort_keys=False)
 
     def sync(self) -> None:
         """One kubelet-like pass: pod IPs behind the proxies, readiness, changed ConfigMaps."""
@@ -334,7 +388,7 @@ class LoopbackKubelet:
         with self._lock:
             tracked = {u: f for u, f in self._pods.items()}
         uids = {pod.metadata.uid for pod in pods.items}
-        cache: dict[str, dict[str, str] | None] = {}
+        cache: dict[tuple[str, str], dict[str, str] | None] = {}
         for uid, files in tracked.items():
             if uid not in uids:
                 with self._lock:
@@ -391,6 +445,17 @@ def _rewrite(arg: str, rewrites: dict[str, str]) -> str:
         if arg == mount_path or arg.startswith(mount_path.rstrip("/") + "/"):
             return local + arg[len(mount_path.rstrip("/")) :]
     return arg
+
+
+def _rewrite_paths(node: Any, rewrites: dict[str, str]) -> Any:
+    """Every string in a config document that is a path under a mount, rewritten."""
+    if isinstance(node, dict):
+        return {k: _rewrite_paths(v, rewrites) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rewrite_paths(v, rewrites) for v in node]
+    if isinstance(node, str) and node.startswith("/"):
+        return _rewrite(node, rewrites)
+    return node
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -599,6 +664,9 @@ class Stack:
     def pool(self, name: str) -> dict[str, Any] | None:
         return get_json(self.cluster, self.namespace, f"kvp/{name}")
 
+    def tenant_token(self, name: str, tenant: str = "default") -> str:
+        return tenant_token(self.cluster, self.namespace, name, tenant)
+
     def agent_urls(self, name: str) -> dict[str, str]:
         """Pod name -> agent URL for the pool's pods with a running agent process."""
         assert self.harness is not None
@@ -675,6 +743,7 @@ class Load:
         try:
             while not self._stop.is_set():
                 start = time.monotonic()
+                token = self.stack.tenant_token(self.name)
                 total = DriveResult(trace=self.trace.name)
                 for i in range(0, len(self.trace.requests), self.chunk):
                     urls = self._urls()
@@ -688,7 +757,7 @@ class Load:
                         self.trace.requests[i : i + self.chunk],
                     )
                     http = httpx.Client(timeout=30.0, trust_env=False)
-                    with PoolClient(urls, tokens_per_block=16, client=http) as client:
+                    with PoolClient(urls, tokens_per_block=16, client=http, token=token) as client:
                         result = drive(
                             part,
                             client,

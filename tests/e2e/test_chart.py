@@ -161,7 +161,15 @@ def _namespaced_values(ns: str, other: str) -> dict[str, Any]:
 CASES: dict[str, tuple[Callable[[str, str], dict[str, Any]], dict[str, int]]] = {
     "defaults": (
         lambda ns, other: {},
-        {"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1},
+        {
+            "ServiceAccount": 1,
+            "Role": 1,  # the release's namespace only
+            "RoleBinding": 1,
+            "ClusterRole": 1,  # kopf scanning (CRDs, namespaces), read-only
+            "ClusterRoleBinding": 1,
+            "Deployment": 1,
+            "NetworkPolicy": 1,
+        },
     ),
     "namespaced-everything": (
         _namespaced_values,
@@ -175,11 +183,13 @@ CASES: dict[str, tuple[Callable[[str, str], dict[str, Any]], dict[str, int]]] = 
             "KopfPeering": 2,
             "PodDisruptionBudget": 1,
             "ServiceMonitor": 1,
+            "NetworkPolicy": 1,
         },
     ),
     "clusterwide-peering-own-sa": (
         lambda ns, other: {
-            "operator": {"peering": {"enabled": True}},
+            "operator": {"clusterWide": True, "peering": {"enabled": True}},
+            "networkPolicy": {"enabled": False},
             "serviceAccount": {"create": False, "name": "existing-sa"},
             "rbac": {"kopfScanning": False},
             "podDisruptionBudget": {"enabled": True, "maxUnavailable": "50%"},
@@ -230,9 +240,44 @@ def test_operator_command_follows_values(crds: DevCluster, namespace: str, tmp_p
     default = deployment({})
     argv = command(default)
     assert argv[:2] == ["kvpool", "operator"]
-    assert {"--all-namespaces", "--standalone", "--timer-interval=10"} <= set(argv)
+    # Namespaced by default: the release's namespace only.
+    assert {f"--namespace={namespace}", "--standalone", "--timer-interval=10"} <= set(argv)
+    assert "--all-namespaces" not in argv
     assert "--liveness=http://0.0.0.0:8080/healthz" in argv
     assert default["spec"]["strategy"] == {"type": "Recreate"}
+    # The operator knows its pods' labels (each pool's NetworkPolicy admits them); its
+    # namespace comes from POD_NAMESPACE.
+    labels = default["spec"]["template"]["metadata"]["labels"]
+    (flag,) = [a for a in argv if a.startswith("--operator-pod-labels=")]
+    pairs = dict(p.split("=", 1) for p in flag.split("=", 1)[1].split(","))
+    assert pairs == default["spec"]["selector"]["matchLabels"] and pairs.items() <= labels.items()
+    (container,) = default["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert not [a for a in argv if a.startswith("--allowed-image-prefix")]
+    assert "--allow-foreign-handoff-peers" not in argv
+
+    bounded = command(
+        deployment(
+            {
+                "operator": {
+                    "clusterWide": True,
+                    "allowedImagePrefixes": ["ghcr.io/kvpool/", "registry.local/"],
+                    "allowForeignHandoffPeers": True,
+                }
+            }
+        )
+    )
+    assert "--all-namespaces" in bounded and not [a for a in bounded if "--namespace=" in a]
+    assert "--allowed-image-prefix=ghcr.io/kvpool/" in bounded
+    assert "--allowed-image-prefix=registry.local/" in bounded
+    assert "--allow-foreign-handoff-peers" in bounded
+    # The flags the chart writes are the ones `kvpool operator` takes.
+    from kvpool_agent.cli import build_parser
+
+    parsed = build_parser().parse_args(bounded[1:])
+    assert parsed.allowed_image_prefix == ["ghcr.io/kvpool/", "registry.local/"]
+    assert parsed.all_namespaces and parsed.allow_foreign_handoff_peers
 
     ha = deployment(
         {"operator": {"replicas": 2, "watchNamespaces": ["a", "b"], "peering": {"enabled": True}}}
@@ -284,6 +329,30 @@ def test_schema_errors_name_the_field(
     assert path in text or "/" + path.replace(".", "/") in text, text
 
 
+def test_cluster_wide_with_listed_namespaces_is_refused(
+    dev_cluster: DevCluster, tmp_path: Path
+) -> None:
+    values = write_values(tmp_path, {"operator": {"clusterWide": True, "watchNamespaces": ["a"]}})
+    out = dev_cluster.helm("template", str(CHART), "-f", str(values), check=False)
+    assert out.returncode != 0
+    assert "operator.clusterWide=true serves every namespace" in out.stderr
+
+
+def test_operator_network_policy_admits_only_the_health_port(
+    crds: DevCluster, namespace: str, tmp_path: Path
+) -> None:
+    docs = render(crds, tmp_path, namespace, {})
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert policy["spec"]["podSelector"] == deploy["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress open
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "health", "protocol": "TCP"}]}]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == ["health"]
+    off = render(crds, tmp_path, namespace, {"networkPolicy": {"enabled": False}})
+    assert "NetworkPolicy" not in {d["kind"] for d in off}
+
+
 def test_replicas_without_peering_are_refused_with_the_reason(
     dev_cluster: DevCluster, tmp_path: Path
 ) -> None:
@@ -312,7 +381,9 @@ def test_install_creates_crds_rbac_and_deployment(
     # Prove that `helm install` itself installs crds/: remove the peering CRDs first.
     cluster.kubectl("delete", "crd", *PEERING_CRDS, "--wait=true", "--timeout=60s")
     release = release_name()
-    values = write_values(tmp_path, {"operator": {"peering": {"enabled": True}}})
+    values = write_values(
+        tmp_path, {"operator": {"clusterWide": True, "peering": {"enabled": True}}}
+    )
     cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
     try:
         wait_established(cluster, "kvcachepools.kvpool.io", *PEERING_CRDS)
@@ -340,10 +411,16 @@ def test_install_creates_crds_rbac_and_deployment(
             ("list", "pods"),
             ("create", "events"),
             ("watch", "clusterkopfpeerings.kopf.dev"),
+            # Credentials of the pools, read by name; a removed tenant's Secret deleted.
+            ("get", "secrets"),
+            ("create", "secrets"),
+            ("delete", "secrets"),
+            ("patch", "networkpolicies.networking.k8s.io"),
         ]
         denied = [
             ("delete", "statefulsets.apps"),
-            ("get", "secrets"),
+            ("list", "secrets"),  # never every Secret of a namespace
+            ("watch", "secrets"),
             ("create", "pods"),
             ("update", "kvcachepools.kvpool.io"),
             ("delete", "kvcachepools.kvpool.io"),
@@ -357,7 +434,8 @@ def test_install_creates_crds_rbac_and_deployment(
         # The documented upgrade path: CRDs by server-side apply, then helm upgrade.
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART_CRDS))
         upgraded = write_values(
-            tmp_path, {"operator": {"peering": {"enabled": True}, "timerInterval": 5}}
+            tmp_path,
+            {"operator": {"clusterWide": True, "peering": {"enabled": True}, "timerInterval": 5}},
         )
         cluster.helm("upgrade", release, str(CHART), "-n", namespace, "-f", str(upgraded))
         deploy = get_json(cluster, "deployment", fullname, "-n", namespace)
@@ -505,14 +583,12 @@ POOL: dict[str, Any] = {
 def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
     crds: DevCluster, namespace: str, tmp_path: Path, credential: str
 ) -> None:
+    """The default RBAC: a Role in the release's namespace, nothing cluster-wide but kopf's
+    read-only scanning."""
     cluster = crds
     release = release_name()
     values = write_values(
-        tmp_path,
-        {
-            "operator": {"watchNamespaces": [namespace], "timerInterval": 2},
-            "rbac": {"serviceMonitors": True},
-        },
+        tmp_path, {"operator": {"timerInterval": 2}, "rbac": {"serviceMonitors": True}}
     )
     cluster.helm("install", release, str(CHART), "-n", namespace, "-f", str(values))
     fullname = f"{release}-kvpool"
@@ -536,8 +612,11 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
             cluster.kubectl("apply", "-n", namespace, "-f", str(pool_file))
             name = POOL["metadata"]["name"]
             children = [
+                ("secret", f"{name}-tenant-default"),
+                ("secret", f"{name}-auth"),
                 ("configmap", f"{name}-agent-config"),
                 ("service", name),
+                ("networkpolicy", name),
                 ("statefulset", name),
                 ("poddisruptionbudget", name),
                 ("servicemonitor", name),
@@ -552,6 +631,16 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
                 return bool(status.get("conditions")) and status.get("observedGeneration") == 1
 
             wait_until("the pool's status", unrefused(log, status_written))
+            # A deleted tenant Secret comes back (a new token) under the same Role.
+            tenant = f"{name}-tenant-default"
+            before = get_json(cluster, "secret", tenant, "-n", namespace)
+            cluster.kubectl("delete", "secret", tenant, "-n", namespace)
+
+            def reissued() -> bool:
+                now = get_json(cluster, "secret", tenant, "-n", namespace)
+                return now is not None and now["data"] != (before or {}).get("data")
+
+            wait_until("the tenant Secret reissued", unrefused(log, reissued))
             # A timer pass lists the agent pods (metrics) and writes status again.
             timer_ran = unrefused(log, lambda: "Timer 'on_timer' succeeded" in log.read_text())
             wait_until("a timer pass", timer_ran)
@@ -594,6 +683,7 @@ def test_two_replicas_one_works_the_other_takes_over(
     values = {
         "operator": {
             "replicas": 2,
+            "clusterWide": True,  # one ClusterKopfPeering for the two replicas
             "peering": {"enabled": True, "name": peering},
             "timerInterval": 2,
         },

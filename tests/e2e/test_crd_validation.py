@@ -140,6 +140,24 @@ INVALID = [
         "",
     ),
     (
+        "tenant-twice",
+        _set("auth.tenants", [{"name": "team-a"}, {"name": "team-a"}]),
+        "spec.auth.tenants[1]",
+        "Duplicate value",
+    ),
+    (
+        "tenant-not-a-dns-label",
+        _set("auth.tenants", [{"name": "Team_A"}]),
+        "spec.auth.tenants[0].name",
+        "",
+    ),
+    (
+        "client-selector-not-a-map",
+        _set("network.clientSelector", "app=vllm"),
+        "spec.network.clientSelector",
+        "",
+    ),
+    (
         "usage-thresholds-crossed",
         _autoscaled(scaleUpUsage=0.4, scaleDownUsage=0.6),
         "spec.autoscaling.scaleDownUsage",
@@ -174,6 +192,9 @@ def test_valid_manifest_is_accepted_with_defaults(
     cache = obj["spec"]["kvCacheConfig"]
     assert cache["freeGpuMemoryFraction"] == 0.9 and cache["secondaryOffloadMinPriority"] == 35
     assert obj["spec"]["rollout"]["maxUnavailable"] == 1
+    # One tenant named default, and a NetworkPolicy, unless the pool says otherwise.
+    assert obj["spec"]["auth"] == {"tenants": [{"name": "default"}]}
+    assert obj["spec"]["network"] == {"policy": True}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -7,6 +7,8 @@ collector. Fake agents started by the ``pod_agents`` harness serve metrics on th
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import functools
 import json
 import os
@@ -27,8 +29,10 @@ os.environ.setdefault("KVPOOL_TIMER_INTERVAL", "2")
 import kopf
 from kopf.testing import KopfRunner
 
-from kvpool_operator import handlers
-from kvpool_operator.models import CONFIG_HASH_ANNOTATION
+from kvpool_agent.credentials import parse_tenants, token_digest
+from kvpool_operator import children, handlers
+from kvpool_operator.models import CONFIG_HASH_ANNOTATION, KVCachePool
+from kvpool_operator.policy import OperatorPolicy
 
 pytestmark = pytest.mark.e2e
 
@@ -63,13 +67,19 @@ def crd(dev_cluster: DevCluster) -> DevCluster:
     return dev_cluster
 
 
-@pytest.fixture
-def operator(
-    crd: DevCluster, namespace: str, monkeypatch: pytest.MonkeyPatch
+@contextlib.contextmanager
+def running_operator(
+    cluster: DevCluster,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: OperatorPolicy | None = None,
 ) -> Iterator[KopfRunner]:
-    """kopf running our handler registry, watching the test's namespace."""
-    monkeypatch.setenv("KUBECONFIG", str(crd.kubeconfig))
+    """kopf running our handler registry, watching ``namespace``, with the operator's
+    options (``kvpool operator`` flags) as the handlers' start-up reads them."""
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    for key, value in (policy or OperatorPolicy()).to_environment().items():
+        monkeypatch.setenv(key, value)
     settings = kopf.OperatorSettings()
     with KopfRunner(
         ["run", "--standalone", "--namespace", namespace, "--verbose"],
@@ -79,6 +89,15 @@ def operator(
     ) as runner:
         yield runner
     assert runner.exception is None, runner.output[-5000:]
+
+
+@pytest.fixture
+def operator(
+    crd: DevCluster, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[KopfRunner]:
+    """kopf running our handler registry, watching the test's namespace."""
+    with running_operator(crd, namespace, monkeypatch) as runner:
+        yield runner
 
 
 def get(cluster: DevCluster, namespace: str, what: str) -> dict[str, Any] | None:
@@ -427,3 +446,150 @@ def test_servicemonitor_waits_for_its_crd(
     pool = get(crd, namespace, "kvp/mon")
     assert pool is not None
     assert monitor["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
+
+
+# -- the trust model: credentials, NetworkPolicy, the operator's bounds on pools ------------
+#
+# The dev cluster runs no CNI, so nothing enforces a NetworkPolicy here: the policy is
+# checked by its content and by the real API server's validation (server dry-run).
+
+
+def secret_value(cluster: DevCluster, namespace: str, name: str, key: str) -> str | None:
+    secret = get(cluster, namespace, f"secret/{name}")
+    raw = ((secret or {}).get("data") or {}).get(key)
+    return base64.b64decode(raw).decode() if raw else None
+
+
+def agent_tenants(cluster: DevCluster, namespace: str, pool: str) -> dict[str, str]:
+    """token digest -> tenant, as the agents parse their mounted tenants file."""
+    text = secret_value(cluster, namespace, f"{pool}-auth", "tenants.yaml")
+    return parse_tenants(text, "tenants.yaml") if text is not None else {}
+
+
+def test_operator_keeps_credentials_and_a_network_policy(
+    crd: DevCluster, namespace: str, operator: KopfRunner, tmp_path: Path
+) -> None:
+    apply(crd, namespace, pool_manifest("sec", replicas=1), tmp_path)
+    pool = wait_for(lambda: get(crd, namespace, "kvp/sec"), "the pool")
+    uid = pool["metadata"]["uid"]
+    for child in ("secret/sec-auth", "secret/sec-tenant-default", "networkpolicy/sec"):
+        obj = wait_for(functools.partial(get, crd, namespace, child), child)
+        owner = obj["metadata"]["ownerReferences"][0]
+        assert owner["uid"] == uid and owner["controller"] is True, child
+    token = secret_value(crd, namespace, "sec-tenant-default", "token")
+    peer = secret_value(crd, namespace, "sec-auth", "peer-token")
+    assert token and peer and token != peer
+    assert agent_tenants(crd, namespace, "sec") == {token_digest(token): "default"}
+
+    sts = wait_for(lambda: get(crd, namespace, "statefulset/sec"), "the StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    auth_volume = next(v for v in pod["volumes"] if v["name"] == "auth")
+    assert auth_volume["secret"]["secretName"] == "sec-auth"
+    config = (get(crd, namespace, "configmap/sec-agent-config") or {})["data"]["agent.yaml"]
+    assert "host: 0.0.0.0" in config and "/etc/kvpool-auth/tenants.yaml" in config
+    assert token not in config and peer not in config
+
+    policy = get(crd, namespace, "networkpolicy/sec")
+    assert policy is not None
+    assert policy["spec"]["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    (http,) = policy["spec"]["ingress"]  # no event consumers: the ZMQ ports stay closed
+    assert http["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert {"podSelector": {"matchLabels": {"kvpool.io/client": "sec"}}} in http["from"]
+
+    # Timer passes (every 2 s) read the Secrets back and keep the tokens.
+    first_hash = template_hash(crd, namespace, "sec")
+    time.sleep(6)
+    assert secret_value(crd, namespace, "sec-tenant-default", "token") == token
+    assert secret_value(crd, namespace, "sec-auth", "peer-token") == peer
+
+    # Deleting a tenant's Secret rotates its token: back with a new one, the old revoked.
+    crd.kubectl("delete", "-n", namespace, "secret/sec-tenant-default")
+    new_token = wait_for(
+        lambda: (t := secret_value(crd, namespace, "sec-tenant-default", "token")) != token and t,
+        "the tenant Secret with a new token",
+    )
+    wait_for(
+        lambda: agent_tenants(crd, namespace, "sec") == {token_digest(new_token): "default"},
+        "the agents' tenants file with the new digest only",
+    )
+    assert secret_value(crd, namespace, "sec-auth", "peer-token") == peer
+    assert template_hash(crd, namespace, "sec") == first_hash  # no pod rolls
+    assert "TokenIssued" in events(crd, namespace)
+
+
+def test_disallowed_image_and_foreign_peers_are_degraded_not_applied(
+    crd: DevCluster, namespace: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    policy = OperatorPolicy(allowed_image_prefixes=("registry.trusted.example/",))
+    trusted = {"image": "registry.trusted.example/kvpool:1", "resources": {}}
+    with running_operator(crd, namespace, monkeypatch, policy):
+        apply(
+            crd, namespace, pool_manifest("evil-image", pod={"image": "evil.example/x:1"}), tmp_path
+        )
+        peers = {"lifecycle": {"handoffPeers": ["http://collector.evil.example:8000"]}}
+        apply(crd, namespace, pool_manifest("evil-peer", pod=trusted, agent=peers), tmp_path)
+        apply(crd, namespace, pool_manifest("fine", pod=trusted), tmp_path)
+        wait_for(lambda: get(crd, namespace, "statefulset/fine"), "the allowed pool's StatefulSet")
+
+        def degraded(name: str) -> dict[str, Any] | None:
+            for cond in ((get(crd, namespace, f"kvp/{name}") or {}).get("status") or {}).get(
+                "conditions"
+            ) or []:
+                if cond["type"] == "Degraded" and cond["status"] == "True":
+                    return dict(cond)
+            return None
+
+        image = wait_for(lambda: degraded("evil-image"), "evil-image Degraded")
+        assert image["reason"] == "ImageNotAllowed" and "spec.pod.image" in image["message"]
+        peer = wait_for(lambda: degraded("evil-peer"), "evil-peer Degraded")
+        assert peer["reason"] == "HandoffPeerNotAllowed"
+        assert "spec.agent.lifecycle.handoffPeers[0]" in peer["message"]
+        time.sleep(4)  # timer passes change nothing: still nothing applied
+        for name in ("evil-image", "evil-peer"):
+            for child in (
+                f"statefulset/{name}",
+                f"secret/{name}-auth",
+                f"configmap/{name}-agent-config",
+            ):
+                assert absent(crd, namespace, child), child
+        warnings = json.loads(
+            crd.kubectl(
+                "get", "events", "-n", namespace, "--field-selector", "type=Warning", "-o", "json"
+            ).stdout
+        )["items"]
+        found = {(e["involvedObject"]["name"], e["reason"]) for e in warnings}
+        assert {("evil-image", "ImageNotAllowed"), ("evil-peer", "HandoffPeerNotAllowed")} <= found
+        assert degraded("fine") is None
+
+
+def test_rendered_children_pass_server_dry_run(
+    crd: DevCluster, namespace: str, tmp_path: Path
+) -> None:
+    """Every child, the NetworkPolicy with every option set, validated by kube-apiserver
+    itself (it does not enforce NetworkPolicy without a CNI, but it validates them)."""
+    body = pool_manifest("dry")
+    body["metadata"].update(namespace=namespace, uid="00000000-0000-0000-0000-000000000001")
+    body["spec"]["auth"] = {"tenants": [{"name": "default"}, {"name": "team-b"}]}
+    body["spec"]["network"] = {
+        "clientSelector": {"app.kubernetes.io/name": "vllm"},
+        "clientNamespaceSelector": {"kvpool.io/clients": "yes"},
+        "eventConsumerSelector": {"app": "router"},
+    }
+    pool = KVCachePool.model_validate(body)
+    creds = children.PoolCredentials(
+        peer_token="p" * 43,
+        tenant_tokens={"default": "a" * 43, "team-b": "b" * 43},
+        generated=frozenset({"default", "team-b"}),
+    )
+    operator_peer = children.OperatorPeer("kvpool-system", {"app.kubernetes.io/name": "kvpool"})
+    docs = children.desired_children(pool, credentials=creds, operator=operator_peer)
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("Secret") == 3 and "NetworkPolicy" in kinds
+    path = tmp_path / "children.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    out = crd.kubectl("apply", "--dry-run=server", "-f", str(path), check=False)
+    assert out.returncode == 0, out.stderr
+    accepted = [line for line in out.stdout.splitlines() if line.endswith("(server dry run)")]
+    assert len(accepted) == len(docs), out.stdout
+    assert "networkpolicy.networking.k8s.io/dry created (server dry run)" in out.stdout

@@ -76,14 +76,15 @@ def stack(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> 
         dev_cluster.kubectl("delete", "namespace", namespace, release, "--wait=false", check=False)
 
 
-def pool_client(urls: dict[str, str]) -> PoolClient:
+def pool_client(urls: dict[str, str], token: str) -> PoolClient:
+    """A client of the pool as its ``default`` tenant (the agents refuse anonymous calls)."""
     http = httpx.Client(timeout=30.0, trust_env=False)
-    return PoolClient(urls.values(), tokens_per_block=16, client=http)
+    return PoolClient(urls.values(), tokens_per_block=16, client=http, token=token)
 
 
 def drive_pool(stack: Stack, name: str, trace: Trace, replicas: int) -> DriveResult:
     urls = stack.wait_agents_ready(name, replicas)
-    with pool_client(urls) as client:
+    with pool_client(urls, stack.tenant_token(name)) as client:
         return drive(trace, client)
 
 
@@ -190,6 +191,12 @@ def test_example_pool_comes_up_serves_hits_scales_and_is_collected(
 
     # Ready means the agent serves: the pod's readiness follows the agent's /readyz.
     urls = stack.wait_agents_ready(name, 1, timeout=30)
+    # It serves its tenants only: the operator's Secrets hold the credentials.
+    (agent_url,) = urls.values()
+    assert http_get(f"{agent_url}/v1/stats")[0] == 401
+    bearer = {"authorization": f"Bearer {stack.tenant_token(name)}"}
+    assert http_get(f"{agent_url}/v1/stats", headers=bearer)[0] == 200
+    assert http_get(f"{agent_url}/v1/stats", headers={"authorization": "Bearer nope"})[0] == 401
     # The first pass as a user runs it: `kvpool drive TRACE --pool NAME`.
     cli = subprocess.run(
         [

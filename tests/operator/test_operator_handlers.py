@@ -7,6 +7,7 @@ mock server stores what they apply, so the tests read back children, status and 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -17,15 +18,19 @@ import pytest
 import pytest_asyncio
 from kube_mock import ApplyingEmulator
 
+from kvpool_agent.credentials import parse_tenants, token_digest
 from kvpool_operator import handlers
 from kvpool_operator.kube import KubeApi
 from kvpool_operator.metrics import ScrapeTarget
 from kvpool_operator.models import CONFIG_HASH_ANNOTATION
+from kvpool_operator.policy import OperatorPolicy
 from kvpool_operator.reconcile import OperatorContext
 
 POOLS = "kvpool.io/v1alpha1/kvcachepools"
 STS = "apps/v1/statefulsets"
 CMS = "v1/configmaps"
+SECRETS = "v1/secrets"
+NETPOLS = "networking.k8s.io/v1/networkpolicies"
 
 
 class FakeClock:
@@ -47,6 +52,8 @@ async def kube() -> AsyncIterator[ApplyingEmulator]:
             "policy/v1/poddisruptionbudgets",
             "v1/pods",
             "v1/events",
+            SECRETS,
+            NETPOLS,
         ):
             mock.resources[res] = {}
         yield mock
@@ -418,3 +425,224 @@ async def test_a_pool_being_deleted_is_left_to_the_garbage_collector(
     body = await store(kube, pool_body)
     await run(handlers.on_timer, memo, body)
     assert kube.object(STS, "ns1", "demo") is None
+
+
+# -- credentials, NetworkPolicy and the operator's bounds on pools ---------------------------
+
+
+def secret_data(kube: ApplyingEmulator, name: str, key: str) -> str | None:
+    secret = kube.object(SECRETS, "ns1", name)
+    if secret is None:
+        return None
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def agent_tenants(kube: ApplyingEmulator) -> dict[str, str]:
+    """The agents' view: token digest -> tenant, as they parse the mounted file."""
+    text = secret_data(kube, "demo-auth", "tenants.yaml")
+    assert text is not None
+    return parse_tenants(text, "demo-auth")
+
+
+def degraded(status: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == "Degraded")
+
+
+async def delete_secret(memo: kopf.Memo, name: str) -> None:
+    api: KubeApi = memo[handlers.CONTEXT_KEY].api
+    assert await asyncio.to_thread(api.delete, "v1", "Secret", "ns1", name)
+
+
+@pytest.mark.asyncio
+async def test_tokens_are_generated_once_and_kept(
+    kube: ApplyingEmulator, memo: kopf.Memo, clock: FakeClock, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    token = secret_data(kube, "demo-tenant-default", "token")
+    peer = secret_data(kube, "demo-auth", "peer-token")
+    assert token and peer and token != peer
+    assert agent_tenants(kube) == {token_digest(token): "default"}
+    for name in ("demo-tenant-default", "demo-auth"):
+        secret = kube.object(SECRETS, "ns1", name)
+        assert secret is not None and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
+    policy = kube.object(NETPOLS, "ns1", "demo")
+    assert policy is not None and policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
+    cm = kube.object(CMS, "ns1", "demo-agent-config")
+    assert cm is not None and token not in cm["data"]["agent.yaml"]
+    old_hash = sts_hash(kube)
+
+    for _ in range(3):  # timer passes and a resume: the same tokens every time
+        await run(handlers.on_timer, memo, await pool_after(kube, body))
+        clock.now += 30
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    assert secret_data(kube, "demo-tenant-default", "token") == token
+    assert secret_data(kube, "demo-auth", "peer-token") == peer
+    assert sts_hash(kube) == old_hash
+    assert reasons(kube) == ["Created"]
+    created = next(e for e in kube.events("ns1") if e["reason"] == "Created")
+    assert "demo-auth" in created["message"] and "demo-tenant-default" in created["message"]
+
+
+@pytest.mark.asyncio
+async def test_a_deleted_tenant_secret_comes_back_with_a_new_token(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    old_token = secret_data(kube, "demo-tenant-default", "token")
+    peer = secret_data(kube, "demo-auth", "peer-token")
+    old_hash = sts_hash(kube)
+
+    await delete_secret(memo, "demo-tenant-default")  # how a user rotates a tenant's token
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    new_token = secret_data(kube, "demo-tenant-default", "token")
+    assert new_token and new_token != old_token
+    assert agent_tenants(kube) == {token_digest(new_token): "default"}  # the old one revoked
+    assert secret_data(kube, "demo-auth", "peer-token") == peer
+    assert sts_hash(kube) == old_hash  # no pod rolls: agents re-read the mounted Secret
+    (event,) = [e for e in kube.events("ns1") if e["reason"] == "TokenIssued"]
+    assert "default" in event["message"] and "demo-tenant-default" in event["message"]
+
+    await delete_secret(memo, "demo-auth")  # the peer token too
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    assert secret_data(kube, "demo-auth", "peer-token") not in (None, peer)
+    assert secret_data(kube, "demo-tenant-default", "token") == new_token
+    assert "PeerTokenIssued" in reasons(kube)
+
+
+@pytest.mark.asyncio
+async def test_tenants_come_and_go_without_rolling_the_pods(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    default = secret_data(kube, "demo-tenant-default", "token")
+    old_hash = sts_hash(kube)
+
+    pool_body["spec"]["auth"] = {"tenants": [{"name": "default"}, {"name": "team-b"}]}
+    pool_body["metadata"]["generation"] = 2
+    await run(handlers.on_change, memo, await store(kube, pool_body))
+    first_b = secret_data(kube, "demo-tenant-team-b", "token")
+    assert first_b and secret_data(kube, "demo-tenant-default", "token") == default
+    assert agent_tenants(kube) == {
+        token_digest(default or ""): "default",
+        token_digest(first_b): "team-b",
+    }
+
+    pool_body["spec"]["auth"] = {"tenants": [{"name": "default"}]}
+    pool_body["metadata"]["generation"] = 3
+    await run(handlers.on_change, memo, await store(kube, pool_body))
+    assert kube.object(SECRETS, "ns1", "demo-tenant-team-b") is None
+    assert list(agent_tenants(kube).values()) == ["default"]
+    (revoked,) = [e for e in kube.events("ns1") if e["reason"] == "TenantRevoked"]
+    assert "demo-tenant-team-b" in revoked["message"]
+
+    pool_body["spec"]["auth"] = {"tenants": [{"name": "default"}, {"name": "team-b"}]}
+    pool_body["metadata"]["generation"] = 4
+    await run(handlers.on_change, memo, await store(kube, pool_body))
+    assert secret_data(kube, "demo-tenant-team-b", "token") not in (None, first_b)
+    assert sts_hash(kube) == old_hash
+    assert "RollingRestart" not in reasons(kube)
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_with_its_own_secret(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    pool_body["spec"]["auth"] = {
+        "tenants": [{"name": "default"}, {"name": "byo", "secretName": "byo-token"}]
+    }
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    # The rest is applied; the tenant is left out until its Secret exists.
+    assert kube.object(STS, "ns1", "demo") is not None
+    assert list(agent_tenants(kube).values()) == ["default"]
+    assert kube.object(SECRETS, "ns1", "demo-tenant-byo") is None
+    cond = degraded((await pool_after(kube, body))["status"])
+    assert cond["status"] == "True" and cond["reason"] == "TenantSecretMissing"
+    assert "spec.auth.tenants[1].secretName" in cond["message"] and "byo-token" in cond["message"]
+    (event,) = [e for e in kube.events("ns1") if e["reason"] == "TenantSecretMissing"]
+    assert event["type"] == "Warning"
+
+    kube.objects[kmock.resource(SECRETS), "ns1", "byo-token"] = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "byo-token", "namespace": "ns1"},
+        "data": {"token": base64.b64encode(b"users-own-token\n").decode()},
+    }
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    assert agent_tenants(kube)[token_digest("users-own-token")] == "byo"
+    assert degraded((await pool_after(kube, body))["status"])["status"] == "False"
+    user = kube.object(SECRETS, "ns1", "byo-token")
+    assert user is not None and "ownerReferences" not in user["metadata"]  # never written
+
+
+@pytest.mark.asyncio
+async def test_a_disallowed_image_is_refused_not_applied(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    memo[handlers.CONTEXT_KEY].policy = OperatorPolicy(allowed_image_prefixes=("ghcr.io/kvpool/",))
+    body = await store(kube, pool_body)  # image registry.local/kvpool:test
+    await run(handlers.on_change, memo, body)
+    await run(handlers.on_timer, memo, await pool_after(kube, body))
+    assert kube.object(STS, "ns1", "demo") is None
+    assert kube.object(SECRETS, "ns1", "demo-auth") is None
+    cond = degraded((await pool_after(kube, body))["status"])
+    assert cond["status"] == "True" and cond["reason"] == "ImageNotAllowed"
+    (event,) = [e for e in kube.events("ns1") if e["reason"] == "ImageNotAllowed"]  # once
+    assert event["type"] == "Warning" and "spec.pod.image" in event["message"]
+    assert "ghcr.io/kvpool/" in event["message"]
+
+    pool_body["spec"]["pod"]["image"] = "ghcr.io/kvpool/kvpool:0.1.0"
+    pool_body["metadata"]["generation"] = 2
+    await run(handlers.on_change, memo, await store(kube, pool_body))
+    assert kube.object(STS, "ns1", "demo") is not None
+    assert degraded((await pool_after(kube, body))["status"])["status"] == "False"
+
+
+@pytest.mark.asyncio
+async def test_a_foreign_handoff_peer_is_refused_unless_allowed(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    pool_body["spec"]["agent"] = {
+        "lifecycle": {"handoffPeers": ["http://demo-1.demo.ns1.svc:8000", "http://evil:8000"]}
+    }
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    assert kube.object(STS, "ns1", "demo") is None
+    cond = degraded((await pool_after(kube, body))["status"])
+    assert cond["reason"] == "HandoffPeerNotAllowed"
+    assert "spec.agent.lifecycle.handoffPeers[1]" in cond["message"]
+    assert "HandoffPeerNotAllowed" in reasons(kube)
+
+    memo[handlers.CONTEXT_KEY].policy = OperatorPolicy(allow_foreign_handoff_peers=True)
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    assert kube.object(STS, "ns1", "demo") is not None
+    assert degraded((await pool_after(kube, body))["status"])["status"] == "False"
+
+
+@pytest.mark.asyncio
+async def test_network_policy_follows_the_spec_and_admits_the_operator(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    memo[handlers.CONTEXT_KEY].policy = OperatorPolicy(
+        operator_namespace="kvpool-system", operator_pod_labels={"app.kubernetes.io/name": "kvpool"}
+    )
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    policy = kube.object(NETPOLS, "ns1", "demo")
+    assert policy is not None
+    sources = policy["spec"]["ingress"][0]["from"]
+    assert {"kubernetes.io/metadata.name": "kvpool-system"} in [
+        s.get("namespaceSelector", {}).get("matchLabels") for s in sources
+    ]
+
+    pool_body["spec"]["network"] = {"policy": False}
+    pool_body["metadata"]["generation"] = 2
+    await run(handlers.on_change, memo, await store(kube, pool_body))
+    assert kube.object(NETPOLS, "ns1", "demo") is None
+    assert "NetworkPolicyRemoved" in reasons(kube)
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    assert reasons(kube).count("NetworkPolicyRemoved") == 1

@@ -43,13 +43,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The operator pods' selector labels as K=V,K=V (what pools' NetworkPolicies admit). */}}
+{{- define "kvpool.selectorLabelsFlag" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := (include "kvpool.selectorLabels" . | fromYaml) -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{/* The `kvpool operator` command line, one argument per list item. */}}
 {{- define "kvpool.operatorArgs" -}}
 - operator
 {{- if include "kvpool.clusterwide" . }}
 - --all-namespaces
 {{- else }}
-{{- range .Values.operator.watchNamespaces }}
+{{- range (include "kvpool.watchNamespaces" . | fromJsonArray) }}
 - --namespace={{ . }}
 {{- end }}
 {{- end }}
@@ -60,6 +69,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 - --liveness=http://0.0.0.0:{{ .Values.operator.healthPort }}/healthz
 - --timer-interval={{ .Values.operator.timerInterval }}
+- --operator-pod-labels={{ include "kvpool.selectorLabelsFlag" . }}
+{{- range .Values.operator.allowedImagePrefixes }}
+- {{ printf "--allowed-image-prefix=%s" . | quote }}
+{{- end }}
+{{- if .Values.operator.allowForeignHandoffPeers }}
+- --allow-foreign-handoff-peers
+{{- end }}
 {{- if .Values.operator.verbose }}
 - --verbose
 {{- end }}
@@ -68,8 +84,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end -}}
 
+{{/* "true" when the operator serves every namespace (operator.clusterWide), else empty. */}}
 {{- define "kvpool.clusterwide" -}}
-{{- if empty .Values.operator.watchNamespaces -}}true{{- end -}}
+{{- if .Values.operator.clusterWide -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- fail "operator.clusterWide=true serves every namespace: leave operator.watchNamespaces empty" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaces served when not cluster-wide, as a JSON list: operator.watchNamespaces,
+or the release's namespace alone when that is empty (the default). */}}
+{{- define "kvpool.watchNamespaces" -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- toJson .Values.operator.watchNamespaces -}}
+{{- else -}}
+{{- list .Release.Namespace | toJson -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -91,10 +123,21 @@ them). Each rule names the code that needs it.
   resources: ["kvcachepools/finalizers"]
   verbs: ["update"]
 # Children: read, then server-side apply (create when absent, patch otherwise). Owner
-# references garbage-collect them, so the operator never deletes.
+# references garbage-collect them with the pool.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["get", "create", "patch"]
+# Credentials: <pool>-auth and <pool>-tenant-<name>, read first so tokens are generated once
+# and kept; the tenants' own Secrets (secretName) are read by name. Delete: the generated
+# Secret of a tenant removed from the pool (a re-added tenant gets a new token). No list or
+# watch: the operator reads Secrets only by the names its pools give.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch", "delete"]
+# The pools' NetworkPolicies; delete when a pool turns spec.network.policy off.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "create", "patch"]

@@ -46,6 +46,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds between per-pool timer runs (status, metrics, autoscaling); default 10",
     )
+    parser.add_argument(
+        "--allowed-image-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="run only pools whose spec.pod.image starts with PREFIX (repeatable; end it "
+        "with '/' to allow one repository path, e.g. registry.example.com/kvpool/); "
+        "default: any image",
+    )
+    parser.add_argument(
+        "--allow-foreign-handoff-peers",
+        action="store_true",
+        help="let pools list handoff peers that are not their own pods (default: refused, "
+        "since a handoff sends cache contents to the peer)",
+    )
+    parser.add_argument(
+        "--operator-namespace",
+        default=None,
+        help="the operator's own namespace, admitted by the pools' NetworkPolicies "
+        "(default: $POD_NAMESPACE)",
+    )
+    parser.add_argument(
+        "--operator-pod-labels",
+        default=None,
+        metavar="K=V[,K=V...]",
+        help="labels of the operator's own pods, admitted by the pools' NetworkPolicies to "
+        "scrape the agents' /metrics (the chart sets them)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -54,6 +82,21 @@ def run(args: argparse.Namespace) -> int:
 
     if args.timer_interval is not None:
         os.environ["KVPOOL_TIMER_INTERVAL"] = str(args.timer_interval)
+
+    from kvpool_operator.policy import OperatorPolicy, parse_labels
+
+    try:
+        labels = parse_labels(args.operator_pod_labels or "")
+    except ValueError as err:
+        raise SystemExit(f"kvpool operator: --operator-pod-labels: {err}") from None
+    policy = OperatorPolicy(
+        allowed_image_prefixes=tuple(p for p in args.allowed_image_prefix if p),
+        allow_foreign_handoff_peers=args.allow_foreign_handoff_peers,
+        operator_namespace=args.operator_namespace or os.environ.get("POD_NAMESPACE") or None,
+        operator_pod_labels=labels,
+    )
+    # kopf runs the handlers' start-up, which reads these back (OperatorPolicy.from_environment).
+    os.environ.update(policy.to_environment())
 
     import kopf
 
