@@ -27,13 +27,21 @@ kvpool::step() {
   local start end
   echo "== $name" >&2
   start=$(date +%s.%N)
-  "$@"
+  # The status is kept and returned: in a `step ... || handler` list, bash ignores errexit
+  # inside the function, so a failure must not be lost behind the timing lines.
+  local rc=0
+  "$@" || rc=$?
   end=$(date +%s.%N)
   local secs
   secs=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
   kvpool_step_names+=("$name")
   kvpool_step_secs+=("$secs")
-  echo "   ($name: ${secs}s)" >&2
+  if [ "$rc" -ne 0 ]; then
+    echo "   ($name: FAILED with exit code $rc after ${secs}s)" >&2
+  else
+    echo "   ($name: ${secs}s)" >&2
+  fi
+  return "$rc"
 }
 
 kvpool::timings() {

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "replay": "kvpool_agent.commands.replay",
     "drive": "kvpool_agent.commands.drive",
     "plan": "kvpool_agent.commands.plan",
+    "trace": "kvpool_agent.commands.trace",
     "agent": "kvpool_agent.commands.agent",
     "crd": "kvpool_operator.commands.crd",
     "operator": "kvpool_operator.commands.operator",

@@ -50,6 +50,7 @@ import httpx
 import yaml
 
 from kvpool_agent.drive import DriveResult
+from kvpool_agent.replay.synth import SAMPLE_TRACE
 from kvpool_agent.traces import Trace
 from kvpool_operator.devcluster.certs import issue_client_cert, service_account_identity
 from kvpool_operator.devcluster.cluster import DevCluster, set_parent_death_signal
@@ -59,9 +60,6 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvpool"
 EXAMPLES = REPO / "crds" / "examples"
 AGENT_SELECTOR = "app.kubernetes.io/name=kvpool-agent"
-TRACES_ENV = "KVPOOL_TRACES"
-STORY_TRACE = "gsp_default_bs16.jsonl"
-
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Loopback only: an HTTP(S)_PROXY in the environment must never catch these calls."""
 
@@ -69,23 +67,9 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # -- traces ---------------------------------------------------------------------------------
 
 
-def traces_dir() -> Path:
-    """``$KVPOOL_TRACES``, else ``shared/traces`` next to the repository (CI's layout)."""
-    env = os.environ.get(TRACES_ENV)
-    candidates = [Path(env)] if env else []
-    candidates += [REPO.parent / "shared" / "traces", REPO / "shared" / "traces"]
-    for path in candidates:
-        if (path / STORY_TRACE).is_file():
-            return path
-    tried = ", ".join(str(p) for p in candidates)
-    raise FileNotFoundError(
-        f"the workload traces are missing: no {STORY_TRACE} in {tried}; "
-        f"set {TRACES_ENV} to the directory holding them"
-    )
-
-
 def story_trace() -> Path:
-    return traces_dir() / STORY_TRACE
+    """The workload of the story: the trace the repository ships (``kvpool trace synth``)."""
+    return SAMPLE_TRACE
 
 
 # -- small helpers --------------------------------------------------------------------------
@@ -317,10 +301,7 @@ class LoopbackKubelet:
         self._project(files, {})
         with self._lock:
             self._pods[pod.uid] = files
-        argv = [*(container.command or []), *(container.args or [])]
-        if argv and argv[0] == "kvpool":
-            argv = [sys.executable, "-m", "kvpool_agent.cli", *argv[1:]]
-        argv = [_rewrite(arg, rewrites) for arg in argv]
+        argv = container_argv([*(container.command or []), *(container.args or [])], rewrites)
         port = next((p.container_port for p in container.ports or [] if p.name == "http"), 8000)
         return [*argv, "--host", pod.pod_ip, "--port", str(port)]
 
@@ -438,6 +419,17 @@ class LoopbackKubelet:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._api_client.close()
+
+
+def container_argv(argv: Sequence[str], rewrites: dict[str, str]) -> list[str]:
+    """The local command line of a container's ``command + args``: its pod paths rewritten to
+    the pod's local directories, and ``kvpool`` run as this interpreter's module. Only the
+    container's own arguments are rewritten: the interpreter and the project may live
+    anywhere, a clone under /tmp included, while /tmp is also a pod volume."""
+    out = [_rewrite(arg, rewrites) for arg in argv]
+    if out and out[0] == "kvpool":
+        out = [sys.executable, "-m", "kvpool_agent.cli", *out[1:]]
+    return out
 
 
 def _rewrite(arg: str, rewrites: dict[str, str]) -> str:
@@ -687,10 +679,19 @@ class Stack:
                 return urls
             return None
 
-        result: dict[str, str] = wait_until(
-            f"{replicas} ready agents of {name}", ready, timeout, every=0.5
-        )
+        try:
+            result: dict[str, str] = wait_until(
+                f"{replicas} ready agents of {name}", ready, timeout, every=0.5
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{self.agent_problems()}") from None
         return result
+
+    def agent_problems(self) -> str:
+        """The harness's account of agents that could not start or exited, or a note that
+        there was none (for failure messages and ``serve``'s output)."""
+        found = self.harness.problems() if self.harness is not None else []
+        return "\n".join(found) if found else "no agent failed to start or exited"
 
 
 @dataclass(frozen=True)
@@ -827,8 +828,15 @@ def serve(args: argparse.Namespace) -> int:
             json.dumps({"ready": True, "credential": stack.credential, **stack.timings}),
             flush=True,
         )
+        reported: set[str] = set()
         while not stop.wait(1):
             stack.check_operator()
+            if stack.harness is not None:
+                for problem in stack.harness.problems():
+                    first = problem.splitlines()[0]
+                    if first not in reported:  # once each, on the demo's output
+                        reported.add(first)
+                        print(json.dumps({"agent_problem": problem}), flush=True)
     finally:
         stack.stop()
     return 0

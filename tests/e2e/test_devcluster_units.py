@@ -334,3 +334,49 @@ def test_cli_env_status_down_work_from_state_json(
     assert proc.wait(timeout=5) is not None
     assert _cli(["status", "--dir", str(tmp_path)]) == 3  # nothing runs any more
     assert _cli(["env", "--dir", str(tmp_path / "missing")]) == 1
+
+
+def test_container_argv_rewrites_pod_paths_but_never_the_interpreter(tmp_path: Path) -> None:
+    """A clone under /tmp while /tmp is a pod volume: the interpreter (and so the project)
+    stays where it is; only the container's own pod paths move to the pod's directory."""
+    import sys
+
+    from story_support import container_argv
+
+    rewrites = {"/tmp": str(tmp_path / "pod" / "tmp"), "/etc/kvpool": str(tmp_path / "cfg")}
+    # the interpreter's own directory is a pod mount path too (as /tmp is, for a clone there)
+    rewrites[str(Path(sys.executable).parent)] = str(tmp_path / "pod" / "venv")
+    argv = container_argv(["kvpool", "agent", "--config", "/etc/kvpool/agent.yaml"], rewrites)
+    assert argv[0] == sys.executable
+    assert argv[1:] == ["-m", "kvpool_agent.cli", "agent", "--config", f"{tmp_path}/cfg/agent.yaml"]
+    assert container_argv(["/tmp/x", "/tmpfoo"], rewrites) == [f"{tmp_path}/pod/tmp/x", "/tmpfoo"]
+
+
+def test_harness_reports_agents_that_cannot_start_or_exit(tmp_path: Path) -> None:
+    """An agent whose command cannot run, or that exits, is reported with the reason, the
+    exit code and its log's tail (never retried in silence)."""
+    from kvpool_operator.devcluster.podagents import PodAgentHarness
+
+    commands = {
+        "missing": [str(tmp_path / "no-such-python"), "-m", "x"],
+        "crashing": ["sh", "-c", "echo 'kvpool agent: invalid config'; exit 3"],
+    }
+    harness = PodAgentHarness(
+        tmp_path / "kubeconfig", lambda pod: commands[pod.name], log_dir=tmp_path / "logs"
+    )
+    harness.log_dir.mkdir()
+    for name in commands:
+        pod = _v1pod()
+        pod.metadata.name, pod.metadata.uid = name, f"uid-{name}"
+        harness._reconcile_pod(pod, deleted=False)
+    deadline = time.monotonic() + 10
+    while all(p.running() for p in harness.processes().values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    problems = harness.problems()
+    assert len(problems) == 2
+    missing = next(p for p in problems if "pod ns/missing" in p)
+    assert "cannot start" in missing and "no-such-python" in missing
+    crashed = next(p for p in problems if "pod ns/crashing" in p)
+    assert "exited with code 3" in crashed and "invalid config" in crashed
+    harness.stop()

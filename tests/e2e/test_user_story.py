@@ -3,7 +3,8 @@
 ``helm install`` the chart; ``kvpool operator`` runs as a local process under the chart's
 ServiceAccount (its RBAC, nothing more); ``kubectl apply`` the CPU example pool; real agents
 serve on the pods' 127.x IPs (``story_support.LoopbackKubelet`` does the kubelet's part); a
-trace slice (``shared/traces``) is driven through them with prefix affinity. Then the pool
+trace slice (``examples/traces``, in the repository) is driven through them with prefix
+affinity. Then the pool
 is scaled by hand, autoscaled from its hit-rate metrics, edited live and rolled, and
 deleted. Invalid manifests are ``test_crd_validation.py``'s job (each class of invalid pool
 rejected by the API server, naming the field); the operator's own reconcile cases are

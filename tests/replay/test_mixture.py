@@ -299,6 +299,10 @@ def test_the_host_tier_models_device_and_host_together() -> None:
     assert spill.capacity == device.capacity + mgr.plan.secondary.group_blocks[0]
 
 
+@pytest.mark.skipif(
+    not (TRACES / "synthetic_trace.jsonl").exists(),
+    reason="needs the shared traces beside the repository (CI has them)",
+)
 @pytest.mark.parametrize(
     ("fraction", "readme", "best_known"), [(0.01, 4.8, 4.9), (0.05, 17.4, 17.2)]
 )

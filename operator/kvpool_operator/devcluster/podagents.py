@@ -170,6 +170,8 @@ class PodAgentHarness:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
+        self._spawn_failures: dict[str, str] = {}
+        """Pod uid -> why its command could not be started (retried on the next event)."""
 
     def __enter__(self) -> PodAgentHarness:
         self.start()
@@ -205,6 +207,24 @@ class PodAgentHarness:
         """Processes that were stopped or exited, oldest first."""
         with self._cond:
             return list(self._finished)
+
+    def problems(self, tail_lines: int = 20) -> list[str]:
+        """What went wrong with the pods' agents, for a person to read: commands that could
+        not be started, and processes that exited on their own (exit code and log tail)."""
+        with self._cond:
+            out = list(self._spawn_failures.values())
+            exited = [p for p in self._procs.values() if not p.running()]
+        for proc in exited:
+            try:
+                lines = proc.log_path.read_text(errors="replace").splitlines()[-tail_lines:]
+            except OSError:
+                lines = []
+            tail = "\n    ".join(lines) if lines else "(empty log)"
+            out.append(
+                f"pod {proc.pod.key}: agent exited with code {proc.popen.returncode} "
+                f"({' '.join(proc.argv)}); last log lines:\n    {tail}"
+            )
+        return out
 
     def wait_for(self, key: str, timeout: float = 60) -> AgentProcess:
         """Block until a process runs for pod ``namespace/name``."""
@@ -304,7 +324,15 @@ class PodAgentHarness:
             if info is not None and current is None:
                 argv = self.command(info)
                 if argv is not None:
-                    self._procs[uid] = self._spawn(info, list(argv))
+                    try:
+                        self._procs[uid] = self._spawn(info, list(argv))
+                        self._spawn_failures.pop(uid, None)
+                    except OSError as err:
+                        self._spawn_failures[uid] = (
+                            f"pod {info.key}: cannot start {argv[0]!r}: {err.strerror or err}"
+                        )
+            if deleted:
+                self._spawn_failures.pop(uid, None)
             self._cond.notify_all()
 
     def _spawn(self, pod: PodInfo, argv: list[str]) -> AgentProcess:
