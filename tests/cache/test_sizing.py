@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvpool_agent.cache.sizing import plan_pools
 from kvpool_agent.cli import main
@@ -93,3 +94,21 @@ def test_size_command_reports_bad_config(
     )
     assert main(["size", str(path)]) == 2
     assert "kv_cache_config.free_gpu_memory_fraction" in capsys.readouterr().err
+
+
+def test_size_takes_a_kvcachepool_manifest_as_the_operator_would_configure_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvpool size` on the manifest a user is about to apply: the plan of the agent config
+    its pods get, printed in 80 columns."""
+    from kvpool_operator.models import KVCachePool
+
+    manifest = Path(__file__).resolve().parents[2] / "crds" / "examples" / "cpu-dev.yaml"
+    assert main(["size", str(manifest), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    cfg = KVCachePool.model_validate(yaml.safe_load(manifest.read_text())).spec.agent_config()
+    assert plan["tiers"]["primary"]["budget_bytes"] == cfg.cpu_budget_bytes
+    assert plan["tokens_per_block"] == cfg.kv_cache_config.tokens_per_block
+    assert main(["size", str(manifest)]) == 0
+    table = capsys.readouterr().out
+    assert "…" not in table  # nothing cut in an 80-column terminal (pytest's capture width)

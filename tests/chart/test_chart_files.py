@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,7 @@ def test_chart_metadata_versions_match_project() -> None:
 def run_sync(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(root / "hack" / "sync-chart-crd.sh"), *args],
+        env={**os.environ, "PYTHON": sys.executable},  # this interpreter, venv active or not
         capture_output=True,
         text=True,
         timeout=60,

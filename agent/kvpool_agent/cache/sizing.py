@@ -18,8 +18,11 @@ each group's share of a tier's bytes is proportional to (bytes per token of the 
 (its effective window), where a full-attention window counts as ``max_seq_len`` (or the
 largest configured window). A group that only keeps the last 256 tokens of each sequence
 needs far fewer blocks than a full-attention group of the same width. Each tier is carved
-into chunks, and ``ChunkMap`` moves whole chunks between groups as demand shifts
-(``KVCacheManager`` rebalances), so the split above is a starting point, not a limit.
+into chunks, and ``KVCacheManager`` moves wholly free chunks between groups as demand shifts
+(``TierAllocator.move_free_chunk``), so the split above is a starting point, not a limit.
+
+``place`` is the one rule for where the primary tier lives and its byte budget: the agent
+(``KVCacheManager.from_agent_config``) and ``kvpool size`` both call it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpool_agent.config import DTYPE_BYTES, FULL_ATTENTION, KvCacheConfig, ModelGeometry
+from kvpool_agent.config import (
+    DTYPE_BYTES,
+    FULL_ATTENTION,
+    AgentConfig,
+    ConfigError,
+    KvCacheConfig,
+    ModelGeometry,
+)
 
 TARGET_CHUNKS = 64
 """Chunks per tier when several groups share it: the granularity of rebalancing."""
@@ -275,3 +285,49 @@ def block_ids_in_chunk(chunk: int, chunk_bytes: int, block_bytes: int) -> range:
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def primary_budget(config: KvCacheConfig, free_bytes: int, reserved_bytes: int = 0) -> int:
+    """The primary tier's bytes on a GPU: ``free_gpu_memory_fraction`` x (free - reserved)."""
+    return int(config.free_gpu_memory_fraction * max(0, free_bytes - reserved_bytes))
+
+
+def free_device_bytes(device: str = "cuda") -> int:
+    """Free memory the CUDA driver reports for ``device`` (what weights left over)."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the primary tier lives and how many bytes it gets."""
+
+    device: str
+    """``cuda`` or ``cpu``."""
+    primary_bytes: int
+
+
+def place(cfg: AgentConfig, free_bytes: int | None = None) -> Placement:
+    """The agent's device and primary budget: ``device`` (``auto`` picks CUDA when present);
+    on CUDA the fraction of free memory (``free_bytes`` when given, else what the device
+    reports), on CPU ``cpu_budget_bytes``. ``free_bytes`` also sizes a CPU config as if on a
+    GPU of that much free memory (``kvpool size --free-bytes``)."""
+    cache, reserved = cfg.kv_cache_config, cfg.reserved_device_bytes
+    if free_bytes is not None:
+        return Placement("cuda", primary_budget(cache, free_bytes, reserved))
+    cuda = _cuda_available()
+    if cfg.device == "cuda" and not cuda:
+        raise ConfigError("device: cuda requested but no CUDA device is available")
+    if cfg.device == "cpu" or not cuda:
+        return Placement("cpu", cfg.cpu_budget_bytes)
+    return Placement("cuda", primary_budget(cache, free_device_bytes(), reserved))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

@@ -4,7 +4,7 @@ kwok marks pods Running without running anything. To test the operator against r
 this harness watches pods and, for each Running pod whose IP is in 127.0.0.0/8, starts a
 command bound to that IP (``{pod_ip}`` in the template); it stops the process when the pod is
 deleted, stops running or changes IP. The command is a callable so tests can plug in any
-program (today a tiny HTTP server, later ``kvpool agent``).
+program (the tests' loopback kubelet runs ``kvpool agent`` for each pool pod).
 """
 
 from __future__ import annotations
