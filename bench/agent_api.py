@@ -47,6 +47,7 @@ CONFIG: dict[str, Any] = {
     "device": "cpu",
     "cpu_budget_bytes": 128 << 20,
     "events": {"endpoint": "tcp://*:*", "replay_endpoint": None},
+    "transfer": {"port": 0},  # two agents share 127.0.0.1
 }
 
 

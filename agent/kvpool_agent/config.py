@@ -326,6 +326,50 @@ class LimitsConfig(_Model):
     )
 
 
+class TransferConfig(_Model):
+    """The binary transfer port for inference-engine connectors (docs/dataplane.md): engine
+    keys, lookups, leases, KV get/put. It binds the server host. Restart-only."""
+
+    port: int | None = Field(
+        8100,
+        ge=0,
+        le=65535,
+        description="TCP port of the transfer protocol on the server host; 0 picks a free "
+        "port (tests); unset (null) disables it.",
+    )
+    max_frame_bytes: int = Field(
+        1 << 30, gt=0, description="Largest KV data of one frame (a PUT request, a GET reply)."
+    )
+    max_meta_bytes: int = Field(
+        1 << 20, gt=0, le=1 << 30, description="Largest metadata map of one frame."
+    )
+    max_keys: int = Field(4096, gt=0, description="Most engine keys in one request.")
+    max_inflight: int = Field(
+        8,
+        gt=0,
+        description="Replies one connection may have queued but not yet sent (GETs streaming "
+        "out); beyond it the agent stops reading that connection until one is sent.",
+    )
+    max_connections: int = Field(
+        1024, gt=0, description="Open transfer connections; beyond it a new one is refused."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a frame's header and metadata may take once begun."
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds a frame's KV data may take to arrive or to be sent."
+    )
+    idle_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds an idle connection (no request, no reply) stays open."
+    )
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="Lease lifetime when the request names none."
+    )
+    max_lease_ttl_s: float = Field(
+        600.0, gt=0, description="Longest lease a request may ask for (longer asks get this)."
+    )
+
+
 class RetentionDefaults(_Model):
     """The retention policy of a request that gives none. Live."""
 
@@ -397,6 +441,7 @@ class AgentConfig(_Model):
     lifecycle: LifecycleConfig = Field(default_factory=lambda: LifecycleConfig.model_validate({}))
     auth: AuthConfig = Field(default_factory=lambda: AuthConfig.model_validate({}))
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig.model_validate({}))
+    transfer: TransferConfig = Field(default_factory=lambda: TransferConfig.model_validate({}))
 
     @model_validator(mode="after")
     def _loopback_unless_authenticated(self) -> AgentConfig:

@@ -181,6 +181,15 @@ def pool_agent_config(pool: KVCachePool, replicas: int | None = None) -> AgentCo
     return config
 
 
+def client_ports(config: AgentConfig) -> list[tuple[str, int]]:
+    """Named TCP ports the pool's clients use: the HTTP API and, when enabled, the binary
+    transfer port of inference-engine connectors (docs/dataplane.md)."""
+    ports = [("http", AGENT_PORT)]
+    if config.transfer.port:
+        ports.append(("transfer", config.transfer.port))
+    return ports
+
+
 def event_ports(config: AgentConfig) -> list[tuple[str, int]]:
     """Named TCP ports of the KV event endpoints that are enabled (``tcp://*:5557``)."""
     ports = []
@@ -207,6 +216,7 @@ def desired_configmap(pool: KVCachePool, replicas: int | None = None) -> Manifes
 
 def desired_service(pool: KVCachePool) -> Manifest:
     """Headless: one stable DNS name per pod, so clients can hash prefixes to agents."""
+    config = pod_agent_config(pool)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -215,11 +225,8 @@ def desired_service(pool: KVCachePool) -> Manifest:
             "clusterIP": "None",
             "selector": selector_labels(pool),
             "ports": [
-                {"name": "http", "port": AGENT_PORT, "targetPort": "http", "protocol": "TCP"},
-                *(
-                    {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
-                    for name, port in event_ports(pod_agent_config(pool))
-                ),
+                {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                for name, port in (*client_ports(config), *event_ports(config))
             ],
         },
     }
@@ -257,11 +264,8 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
         "command": ["kvpool"],
         "args": ["agent", "--config", CONFIG_PATH],
         "ports": [
-            {"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
-            *(
-                {"name": name, "containerPort": port, "protocol": "TCP"}
-                for name, port in event_ports(config)
-            ),
+            {"name": name, "containerPort": port, "protocol": "TCP"}
+            for name, port in (*client_ports(config), *event_ports(config))
         ],
         "env": _env(),
         "readinessProbe": _probe("/readyz", period=5, failures=3),
@@ -471,10 +475,14 @@ def desired_network_policy(pool: KVCachePool, operator: OperatorPeer | None = No
                 "podSelector": {"matchLabels": dict(operator.labels)},
             }
         )
+    config = pod_agent_config(pool)
     ingress: list[dict[str, Any]] = [
-        {"from": http_from, "ports": [{"protocol": "TCP", "port": "http"}]}
+        {
+            "from": http_from,
+            "ports": [{"protocol": "TCP", "port": name} for name, _ in client_ports(config)],
+        }
     ]
-    ports = event_ports(pod_agent_config(pool))
+    ports = event_ports(config)
     if net.event_consumer_selector is not None and ports:
         ingress.append(
             {

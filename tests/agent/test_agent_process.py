@@ -43,6 +43,7 @@ class Agent:
             "device": "cpu",
             "cpu_budget_bytes": 256 * 1024,
             "events": {"endpoint": "tcp://*:*", "replay_endpoint": None},
+            "transfer": {"port": 0},  # several agents share 127.0.0.1
             "lifecycle": {"grace_period_s": 8.0, **lifecycle},
         }
         self.config.write_text(yaml.safe_dump(doc))

@@ -176,9 +176,9 @@ def test_grace_period_and_event_ports_reach_the_pod(pool_body: dict[str, Any]) -
     pod = children.desired_statefulset(pool)["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 46
     ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
-    assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+    assert ports == {"http": 8000, "transfer": 8100, "kv-events": 5557, "kv-replay": 5558}
     svc_ports = {p["name"] for p in children.desired_service(pool)["spec"]["ports"]}
-    assert svc_ports == {"http", "kv-events", "kv-replay"}
+    assert svc_ports == {"http", "transfer", "kv-events", "kv-replay"}
 
 
 # -- credentials and the NetworkPolicy (the agent trust model) ------------------------------
@@ -285,7 +285,7 @@ def test_network_policy_admits_clients_peers_and_the_operator(pool_body: dict[st
     assert spec["podSelector"] == {"matchLabels": selector}
     assert spec["policyTypes"] == ["Ingress"]
     (http,) = spec["ingress"]  # no event consumers by default: the ZMQ ports are closed
-    assert http["ports"] == [{"protocol": "TCP", "port": "http"}]
+    assert http["ports"] == [{"protocol": "TCP", "port": p} for p in ("http", "transfer")]
     assert http["from"] == [
         {"podSelector": {"matchLabels": {"kvpool.io/client": "demo"}}},
         {"podSelector": {"matchLabels": selector}},
@@ -355,3 +355,23 @@ def test_own_peer_urls(pool_body: dict[str, Any]) -> None:
         "http://evil.example:8000",
     ]:
         assert not children.own_peer_url(pool, url), url
+
+
+def test_the_transfer_port_is_exposed_to_clients_only(pool_body: dict[str, Any]) -> None:
+    """Engine connectors reach the binary transfer port: on the container, the Service and in
+    the NetworkPolicy's client rule (never the event consumers' one); null disables it."""
+    from kvpool_operator.children import (
+        desired_network_policy,
+        desired_pod_template,
+        desired_service,
+    )
+
+    pool = _pool({**pool_body, "spec": {**pool_body["spec"], "network": {
+        "eventConsumerSelector": {"app": "indexer"}}}})  # fmt: skip
+    container = desired_pod_template(pool)["spec"]["containers"][0]
+    assert {"name": "transfer", "containerPort": 8100, "protocol": "TCP"} in container["ports"]
+    assert any(p["name"] == "transfer" for p in desired_service(pool)["spec"]["ports"])
+    ingress = desired_network_policy(pool)["spec"]["ingress"]
+    assert {"protocol": "TCP", "port": "transfer"} in ingress[0]["ports"]
+    assert len(ingress) == 2  # clients, then event consumers
+    assert {"protocol": "TCP", "port": "transfer"} not in ingress[1]["ports"]

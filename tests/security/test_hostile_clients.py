@@ -80,6 +80,7 @@ def agent_doc(port: int, replay_port: int, auth_dir: Path) -> dict[str, Any]:
         "cpu_budget_bytes": BLOCKS * BLOCK_BYTES,
         "server": {"host": "127.0.0.1", "port": port},
         "events": {"endpoint": None, "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"},
+        "transfer": {"port": 0},
         "auth": {
             "tenants_file": str(auth_dir / "tenants.yaml"),
             "peer_token_file": str(auth_dir / "peer-token"),

@@ -51,7 +51,14 @@ from kvpool_agent.cache.events import (
 )
 from kvpool_agent.cache.eviction import EvictionQueue, effective_priority, new_eviction_queue
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
-from kvpool_agent.cache.sizing import PoolPlan, build_pools, plan_pools
+from kvpool_agent.cache.sizing import (
+    PoolPlan,
+    build_pools,
+    free_device_bytes,
+    place,
+    plan_pools,
+    primary_budget,
+)
 from kvpool_agent.cache.stats import CacheStats, GhostList
 from kvpool_agent.cache.storage import TierStorage, copy_group_blocks
 from kvpool_agent.config import (
@@ -144,7 +151,13 @@ class KVCacheManager:
         self.device = torch.device(device)
         self.clock = clock
         if primary_bytes is None:
-            primary_bytes = primary_budget(self.device, config, reserved_bytes)
+            if self.device.type != "cuda":
+                raise ConfigError(
+                    "a CPU primary tier needs an explicit byte budget (cpu_budget_bytes)"
+                )
+            primary_bytes = primary_budget(
+                config, free_device_bytes(str(self.device)), reserved_bytes
+            )
         self.plan: PoolPlan = plan_pools(
             model, config, primary_bytes=primary_bytes, max_seq_len=max_seq_len
         )
@@ -202,19 +215,14 @@ class KVCacheManager:
 
     @classmethod
     def from_agent_config(cls, cfg: AgentConfig, **kwargs: Any) -> KVCacheManager:
-        """Size from the agent config: CUDA memory when present, else the CPU budget."""
-        want = cfg.device
-        device = torch.device(
-            "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
-        )
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device: cuda requested but no CUDA device is available")
-        primary = None if device.type == "cuda" else cfg.cpu_budget_bytes
+        """Size from the agent config: CUDA memory when present, else the CPU budget
+        (``sizing.place``)."""
+        placement = place(cfg)
         return cls(
             cfg.model,
             cfg.kv_cache_config,
-            primary_bytes=primary,
-            device=device,
+            primary_bytes=placement.primary_bytes,
+            device=placement.device,
             reserved_bytes=cfg.reserved_device_bytes,
             max_seq_len=cfg.max_seq_len,
             **kwargs,
@@ -488,29 +496,71 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- matching
 
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[int | str] = (),
+    ) -> list[str]:
+        """The tier (``"primary"`` or ``"secondary"``) of each leading full block of
+        ``tokens`` that an ``open_sequence`` would reuse now, without opening anything.
+
+        Full blocks only (no partial match), and only the usable prefix (every block a query
+        after it needs is present, see ``_usable_depth``). A block counts as ``secondary``
+        when one of the group blocks the prefix needs sits in the host tier (an open would
+        copy it back first). No side effects: nothing is pinned, no recency is touched, no
+        counter moves and no event is queued.
+        """
+        toks = _check_tokens(tokens)
+        namespace = _namespace(cache_salt, extra_keys)
+        path = self._walk(namespace, toks, len(toks))
+        d = self._usable_depth(path)
+        if d == 0:
+            return []
+        out = [TIER_NAMES[PRIMARY]] * d
+        if not any(self._alloc[SECONDARY].capacity):
+            return out  # no host tier: every block is in the primary one
+        for g in range(self._num_groups):
+            for j in range(self._need_from(g, d * self.tpb), d):
+                block = path[j].blocks[g]
+                if block is not None and block.tier == SECONDARY:
+                    out[j] = TIER_NAMES[SECONDARY]
+        return out
+
+    def _walk(self, namespace: int, toks: list[int], limit: int) -> list[TreeNode]:
+        """The tree nodes matching the leading full blocks of ``toks[:limit]`` (read-only)."""
+        root = self._roots.get(namespace)
+        if not self.config.enable_block_reuse or root is None:
+            return []
+        tpb = self.tpb
+        path: list[TreeNode] = []
+        children = root.children
+        for start in range(0, limit - tpb + 1, tpb):
+            child = children.get(tuple(toks[start : start + tpb]))
+            if child is None:
+                break
+            path.append(child)
+            children = child.children
+        return path
+
     def _match(
         self, namespace: int, toks: list[int], limit: int
     ) -> tuple[list[TreeNode], TreeNode | None, int]:
         """The usable matched path, and a partially matching next node with its token count."""
-        cfg = self.config
-        root = self._roots.get(namespace)
-        if not cfg.enable_block_reuse or root is None:
+        path = self._walk(namespace, toks, limit)
+        if not path and self._roots.get(namespace) is None:
+            return [], None, 0
+        if not self.config.enable_block_reuse:
             return [], None, 0
         tpb = self.tpb
-        path: list[TreeNode] = []
-        node = root
-        for j in range(limit // tpb):
-            child = node.children.get(tuple(toks[j * tpb : (j + 1) * tpb]))
-            if child is None:
-                break
-            path.append(child)
-            node = child
         walked = len(path)
         usable = self._usable_depth(path)
         if usable < walked:
             return path[:usable], None, 0
         partial, m = None, 0
-        if cfg.enable_partial_reuse and walked * tpb < limit:
+        if self.config.enable_partial_reuse and walked * tpb < limit:
+            node = path[-1] if path else self._roots[namespace]
             partial, m = self._partial_match(
                 node, toks[walked * tpb : min(limit, (walked + 1) * tpb)]
             )
@@ -1130,14 +1180,6 @@ class KVCacheManager:
 # --------------------------------------------------------------------- helpers
 
 
-def primary_budget(device: torch.device, config: KvCacheConfig, reserved_bytes: int = 0) -> int:
-    """``free_gpu_memory_fraction`` x (free device memory - reserved)."""
-    if device.type != "cuda":
-        raise ConfigError("a CPU primary tier needs an explicit byte budget (cpu_budget_bytes)")
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(config.free_gpu_memory_fraction * max(0, free - reserved_bytes))
-
-
 def effective_priority_of(node: TreeNode, now: float) -> int:
     if node.expires_at is not None and now >= node.expires_at:
         return DEFAULT_PRIORITY
@@ -1155,6 +1197,8 @@ def _check_tokens(tokens: Sequence[int]) -> list[int]:
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (list, tuple, range)):
         raise InvalidTokensError(f"tokens must be a list of ints, got {type(tokens).__name__}")
     toks = list(tokens)
+    if toks and set(map(type, toks)) == {int} and min(toks) >= 0:
+        return toks  # the common case, checked at C speed
     for t in toks:
         if type(t) is not int:
             raise InvalidTokensError(f"tokens must be ints, got {type(t).__name__} ({t!r})")

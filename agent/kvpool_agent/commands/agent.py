@@ -14,6 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="bind address (overrides server.host)")
     parser.add_argument("--port", type=int, default=None, help="HTTP port (overrides server.port)")
     parser.add_argument(
+        "--transfer-port",
+        type=int,
+        default=None,
+        help="transfer protocol port (overrides transfer.port; 0: any free port)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
 
@@ -34,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    overrides = endpoint_overrides(args.host, args.port)
+    overrides = endpoint_overrides(args.host, args.port, args.transfer_port)
     try:
         config = apply_overrides(config, overrides)
     except ValidationError as err:

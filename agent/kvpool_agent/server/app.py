@@ -24,15 +24,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvpool_agent.cache import (
-    CacheError,
-    InvalidRetentionError,
-    InvalidTokensError,
-    OutOfBlocksError,
-    RequestTooLargeError,
-    UnknownSequenceError,
-)
+from kvpool_agent.cache import CacheError
 from kvpool_agent.credentials import AuthError, Principal
+from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.server.events import decode_batch
 from kvpool_agent.server.limits import BodyLimits
 from kvpool_agent.server.metrics import AgentMetrics
@@ -42,22 +36,25 @@ from kvpool_agent.server.models import (
     AttentionResponse,
     ErrorResponse,
     HandoffResponse,
+    KeyNamespaceBody,
+    KeysLookupRequest,
+    KeysLookupResponse,
+    LeaseRequest,
+    LeaseResponse,
     OpenSequenceRequest,
     ReplayedBatch,
     SequenceResponse,
     StatsResponse,
 )
 from kvpool_agent.server.payload import MEDIA_TYPE, PayloadError, decode_tensor, encode_tensor
-from kvpool_agent.server.service import HEAVY_BYTES, AgentService, OpenSequence, RequestError
+from kvpool_agent.server.service import (
+    HEAVY_BYTES,
+    AgentService,
+    OpenSequence,
+    RequestError,
+    engine_status,
+)
 from kvpool_agent.server.snapshot import SnapshotError, SnapshotGeometryError
-
-ENGINE_STATUS: dict[type[CacheError], int] = {
-    UnknownSequenceError: 404,
-    RequestTooLargeError: 413,
-    OutOfBlocksError: 503,
-    InvalidTokensError: 422,
-    InvalidRetentionError: 422,
-}
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
@@ -143,7 +140,7 @@ def create_app(
 
     @app.exception_handler(CacheError)
     async def _cache_error(_: Request, err: CacheError) -> JSONResponse:
-        status = next((s for t, s in ENGINE_STATUS.items() if isinstance(err, t)), 400)
+        status = engine_status(err)
         headers = {"retry-after": "1"} if status == 503 else None
         return JSONResponse({"detail": str(err)}, status_code=status, headers=headers)
 
@@ -239,6 +236,41 @@ def create_app(
             output=base64.b64encode(encode_tensor(out)).decode(), backend=backend
         )
 
+    # ----------------------------------------------------------------- engine keys
+
+    @app.post("/v1/keys/lookup", responses=ERRORS, tags=["keys"])
+    async def lookup_keys(body: KeysLookupRequest, caller: Caller) -> KeysLookupResponse:
+        """How many leading blocks of a chain of engine keys the cache holds, and where.
+
+        No side effects: nothing is pinned, touched or counted (docs/dataplane.md)."""
+        tiers = await service.lookup_keys(caller, _key_namespace(body.namespace), _hex(body.keys))
+        return KeysLookupResponse(count=len(tiers), tiers=tiers)
+
+    @app.post("/v1/leases", status_code=201, responses=ERRORS, tags=["keys"])
+    async def lease_keys(body: LeaseRequest, caller: Caller, response: Response) -> LeaseResponse:
+        """Pin the leading resident blocks of a chain for at most ``ttl_s`` seconds, for
+        reads over the transfer port. 201 with a lease, or 200 and ``lease_id: null`` when
+        no block of the chain is resident."""
+        ns = _key_namespace(body.namespace)
+        lease, tiers = await service.lease_keys(caller, ns, _hex(body.keys), body.ttl_s)
+        if lease is None:
+            response.status_code = 200
+            return LeaseResponse(lease_id=None, count=0, tiers=[], first_block=[], ttl_s=None)
+        tpb = lease.handle.tokens_per_block
+        return LeaseResponse(
+            lease_id=lease.public_id,
+            count=lease.blocks,
+            tiers=tiers,
+            first_block=[t // tpb for t in lease.handle.first_token],
+            ttl_s=lease.ttl_s,
+        )
+
+    @app.delete("/v1/leases/{lease_id}", status_code=204, responses=ERRORS, tags=["keys"])
+    async def release_lease(lease_id: int, caller: Caller) -> Response:
+        """Release a lease (its blocks are unpinned once any read in progress ends)."""
+        await service.release_lease(caller, lease_id)
+        return Response(status_code=204)
+
     # ----------------------------------------------------------------- pool
 
     @app.get("/v1/stats", responses=ERRORS, tags=["pool"])
@@ -319,6 +351,14 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _key_namespace(body: KeyNamespaceBody) -> KeyNamespace:
+    return KeyNamespace(body.model, body.rank, body.layer_group)
+
+
+def _hex(keys: list[str]) -> list[bytes]:
+    return [bytes.fromhex(k) for k in keys]
 
 
 def _sequence(seq: OpenSequence) -> SequenceResponse:

@@ -41,8 +41,14 @@ async def drain(service: AgentService, stop: Callable[[], None]) -> str:
     reserve = min(grace * HANDOFF_RESERVE, MAX_RESERVE_S)
     deadline = start + grace
     service.draining = True
-    log.info("draining: %d open sequences, grace %.1fs", len(service.sequences), grace)
-    while service.sequences and time.monotonic() < deadline - reserve:
+    log.info(
+        "draining: %d open sequences, %d leases, %d stores, grace %.1fs",
+        len(service.sequences),
+        len(service.leases),
+        len(service.stores),
+        grace,
+    )
+    while service.open_handles and time.monotonic() < deadline - reserve:
         await asyncio.sleep(0.02)
     left = await service.release_all()
     if left:

@@ -129,7 +129,8 @@ class CacheCollector(Collector):
         refused = CounterMetricFamily(
             "kvpool_requests_refused",
             "Requests refused before any engine work, by reason (unauthenticated, forbidden, "
-            "body_too_large, body_timeout, open_sequences, pinned_blocks).",
+            "body_too_large, body_timeout, open_sequences, pinned_blocks, malformed, "
+            "transfer_connections).",
             labels=["reason"],
         )
         for reason, value in sorted(svc.refusals.items()):
@@ -140,6 +141,30 @@ class CacheCollector(Collector):
             "Open sequences released after limits.sequence_idle_timeout_s without a call.",
             svc.expired_sequences,
         )
+        yield _counter(
+            "kvpool_leases_expired",
+            "Leases released because their time ran out (the client never released them).",
+            svc.expired_leases,
+        )
+        yield GaugeMetricFamily("kvpool_leases_open", "Leases held now.", value=len(svc.leases))
+        yield GaugeMetricFamily(
+            "kvpool_stores_in_flight",
+            "PUTs of the transfer port receiving their KV now.",
+            value=len(svc.stores),
+        )
+        yield GaugeMetricFamily(
+            "kvpool_transfer_connections",
+            "Open connections of the transfer port.",
+            value=svc.transfer.connections,
+        )
+        moved = CounterMetricFamily(
+            "kvpool_transfer_bytes",
+            "KV bytes of the transfer port, by direction (received: PUT, sent: GET).",
+            labels=["direction"],
+        )
+        moved.add_metric(["received"], svc.transfer.bytes_received)
+        moved.add_metric(["sent"], svc.transfer.bytes_sent)
+        yield moved
         yield _counter(
             "kvpool_credential_reload_errors",
             "Credential file changes that could not be read (the running credentials stay).",

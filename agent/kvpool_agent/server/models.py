@@ -8,12 +8,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kvpool_agent.cache import KvCacheRetentionConfig
+from kvpool_agent.dataplane.keys import MAX_KEY_BYTES, MAX_LAYER_GROUP, MAX_MODEL_CHARS, MAX_RANK
 
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 63)]
 ExtraKey = StrictInt | StrictStr
+HexKey = Annotated[
+    StrictStr,
+    Field(
+        min_length=2,
+        max_length=2 * MAX_KEY_BYTES,
+        pattern=r"^(?:[0-9a-fA-F]{2})+$",
+        description="An engine key (1 to 64 bytes) in hex.",
+    ),
+]
+MAX_HTTP_KEYS = 1 << 16
+"""Keys one JSON body may name (the agent's ``transfer.max_keys`` bounds them further)."""
 
 
 class _Body(BaseModel):
@@ -76,6 +88,50 @@ class HandoffResponse(BaseModel):
     chains: int
     blocks_written: int
     skipped: int
+
+
+class KeyNamespaceBody(_Body):
+    """Where a chain of engine keys lives, inside the caller's tenant."""
+
+    model: StrictStr = Field(
+        ..., min_length=1, max_length=MAX_MODEL_CHARS, description="Model id (printable)."
+    )
+    rank: StrictInt = Field(0, ge=0, le=MAX_RANK, description="Parallel (TP/PP) rank.")
+    layer_group: StrictInt = Field(0, ge=0, le=MAX_LAYER_GROUP, description="Layer group.")
+
+
+class KeysLookupRequest(_Body):
+    namespace: KeyNamespaceBody
+    keys: list[HexKey] = Field(
+        ...,
+        min_length=1,
+        max_length=MAX_HTTP_KEYS,
+        description="The chain's block keys, first block first.",
+    )
+
+
+class KeysLookupResponse(BaseModel):
+    count: int = Field(description="Leading keys whose blocks the cache holds (usable now).")
+    tiers: list[str] = Field(description="The tier of each of them: primary or secondary.")
+
+
+class LeaseRequest(KeysLookupRequest):
+    ttl_s: StrictFloat | StrictInt | None = Field(
+        None,
+        gt=0,
+        description="Lease lifetime in seconds; unset: transfer.lease_ttl_s; at most "
+        "transfer.max_lease_ttl_s.",
+    )
+
+
+class LeaseResponse(BaseModel):
+    lease_id: int | None = Field(description="The lease (null: no block resident, no lease).")
+    count: int = Field(description="Leading blocks leased (pinned).")
+    tiers: list[str] = Field(description="Where each leased block was found.")
+    first_block: list[int] = Field(
+        description="Per pool, the first leased block readable there (sliding windows)."
+    )
+    ttl_s: float | None = Field(description="Seconds the lease lasts unless released.")
 
 
 class ErrorResponse(BaseModel):

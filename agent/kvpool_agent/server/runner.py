@@ -15,7 +15,9 @@ from pathlib import Path
 
 import uvicorn
 
+from kvpool_agent.cache.gc_tuning import tune_gc
 from kvpool_agent.config import AgentConfig
+from kvpool_agent.dataplane.server import TransferServer
 from kvpool_agent.server.app import create_app
 from kvpool_agent.server.lifecycle import drain, warm_start
 from kvpool_agent.server.limits import header_timeout_protocol
@@ -31,14 +33,18 @@ class _Server(uvicorn.Server):
         yield  # the agent installs its own handlers (drain first, then exit)
 
 
-def endpoint_overrides(host: str | None, port: int | None) -> dict[str, object]:
-    """Dotted-path overrides from ``--host/--port`` (a ``*`` event host follows the server
-    host, so it follows ``--host`` too)."""
+def endpoint_overrides(
+    host: str | None, port: int | None, transfer_port: int | None = None
+) -> dict[str, object]:
+    """Dotted-path overrides from ``--host/--port/--transfer-port`` (a ``*`` event host and
+    the transfer port follow the server host, so they follow ``--host`` too)."""
     out: dict[str, object] = {}
     if host is not None:
         out["server.host"] = host
     if port is not None:
         out["server.port"] = port
+    if transfer_port is not None:
+        out["transfer.port"] = transfer_port
     return out
 
 
@@ -46,6 +52,7 @@ async def serve(
     config: AgentConfig, config_path: str | Path | None, overrides: dict[str, object]
 ) -> int:
     service = AgentService(config)
+    tune_gc()  # a large tree makes CPython's default full collections cost more than requests
     watcher = (
         ConfigWatcher(service, config_path, overrides=overrides)
         if config_path is not None
@@ -53,6 +60,7 @@ async def serve(
     )
     server: _Server | None = None
     drain_task: asyncio.Task[str] | None = None
+    transfer: TransferServer | None = None
 
     def stop() -> None:
         assert server is not None
@@ -66,8 +74,12 @@ async def serve(
             stop()
 
     async def on_startup() -> None:
+        nonlocal transfer
         await warm_start(service)
         service.flush_events()
+        if config.transfer.port is not None:
+            transfer = TransferServer(service)
+            await transfer.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
@@ -75,6 +87,8 @@ async def serve(
             watcher.start()
 
     async def on_shutdown() -> None:
+        if transfer is not None:
+            await transfer.stop()
         if watcher is not None:
             await watcher.stop()
 

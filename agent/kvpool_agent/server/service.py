@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections import Counter
@@ -21,7 +22,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvpool_agent.cache import KVCacheManager, KvCacheRetentionConfig, SequenceHandle
+from kvpool_agent.cache import (
+    CacheError,
+    InvalidRetentionError,
+    InvalidTokensError,
+    KVCacheManager,
+    KvCacheRetentionConfig,
+    OutOfBlocksError,
+    RequestTooLargeError,
+    SequenceHandle,
+    UnknownSequenceError,
+)
 from kvpool_agent.cache.manager import _namespace
 from kvpool_agent.config import (
     DEFAULT_PRIORITY,
@@ -31,6 +42,7 @@ from kvpool_agent.config import (
     restart_fields,
 )
 from kvpool_agent.credentials import Credentials, Principal
+from kvpool_agent.dataplane.keys import KeyFormatError, KeyNamespace, chain_tokens, check_keys
 from kvpool_agent.server.attention import AttentionBatch, run_attention
 from kvpool_agent.server.events import EventPublisher, WireEncoder
 from kvpool_agent.server.snapshot import ImportResult, Namespace, export_snapshot, import_snapshot
@@ -39,6 +51,19 @@ from kvpool_kernels import PagedAttention
 log = logging.getLogger("kvpool.agent")
 
 T = TypeVar("T")
+
+ENGINE_STATUS: dict[type[CacheError], int] = {
+    UnknownSequenceError: 404,
+    RequestTooLargeError: 413,
+    OutOfBlocksError: 503,
+    InvalidTokensError: 422,
+    InvalidRetentionError: 422,
+}
+"""The status of each engine refusal (HTTP, and the transfer protocol's error replies)."""
+
+
+def engine_status(err: CacheError) -> int:
+    return next((s for t, s in ENGINE_STATUS.items() if isinstance(err, t)), 400)
 
 
 class RequestError(Exception):
@@ -72,6 +97,63 @@ class OpenSequence:
     last_used: float
     held: tuple[int, ...]
     """Blocks the sequence pins in each pool group (for the per-tenant cap)."""
+
+
+@dataclass
+class Lease:
+    """Leading resident blocks of a chain of engine keys, pinned for a while for reads."""
+
+    public_id: int
+    tenant: str | None
+    handle: SequenceHandle
+    """The engine sequence of the leased prefix (opened with nothing to allocate)."""
+    blocks: int
+    tiers: list[str]
+    """Where each leased block was found (``primary``/``secondary``) when the lease began."""
+    expires_at: float
+    """``time.monotonic()`` after which the lease is gone."""
+    ttl_s: float
+    held: tuple[int, ...]
+    readers: int = 0
+    """Reads (GETs) streaming out of the blocks now; the engine release waits for them."""
+    closing: bool = False
+
+
+@dataclass
+class Store:
+    """A chain of engine keys being stored: its new blocks are private until it commits."""
+
+    store_id: int
+    tenant: str | None
+    handle: SequenceHandle
+    resident: int
+    """Leading blocks the cache held already (not written by this store)."""
+    total: int
+    held: tuple[int, ...]
+    block_ids: dict[int, list[int]]
+    """Per pool, the primary ids of the blocks the store writes (chain blocks resident..)."""
+
+
+@dataclass
+class StoreStart:
+    """What ``begin_store`` decided: a store to fill, or why there is nothing to write."""
+
+    store: Store | None
+    resident: int
+    """Leading blocks of the chain the cache holds (usable) now."""
+    total: int
+    gap: bool = False
+    """The client skipped blocks the cache does not hold: nothing can be stored."""
+
+
+@dataclass
+class TransferCounters:
+    """Transfer port activity (metrics)."""
+
+    connections: int = 0
+    accepted: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
 
 
 def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
@@ -113,6 +195,12 @@ class AgentService:
         self.refusals: Counter[str] = Counter()
         """Requests refused by a limit or by authentication, by reason (a metric)."""
         self.expired_sequences = 0
+        self.leases: dict[int, Lease] = {}
+        self.stores: dict[int, Store] = {}
+        self.expired_leases = 0
+        self._lease_added = asyncio.Event()
+        """Wakes the housekeeping task to schedule a new lease's expiry."""
+        self.transfer = TransferCounters()
         self.draining = False
         self.serving = False
         self.started_at = time.monotonic()
@@ -162,10 +250,17 @@ class AgentService:
     async def _housekeep(self) -> None:
         interval = min(1.0, self.limits.sequence_idle_timeout_s / 4)
         while True:
-            await asyncio.sleep(interval)
+            delay = interval
+            if self.leases:  # wake at the earliest lease deadline
+                soonest = min(lease.expires_at for lease in self.leases.values())
+                delay = max(0.01, min(interval, soonest - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lease_added.wait(), delay)
+            self._lease_added.clear()
             try:
                 self.credentials.refresh()
                 await self.expire_idle()
+                await self.expire_leases()
             except Exception:  # housekeeping must outlive any one failure
                 log.exception("housekeeping failed; retrying")
 
@@ -244,9 +339,14 @@ class AgentService:
         return seq
 
     def _new_id(self) -> int:
+        """A random 62-bit id, unused by any open sequence, lease or store."""
         while True:
             public_id = secrets.randbits(62) + 1
-            if public_id not in self.sequences:
+            if (
+                public_id not in self.sequences
+                and public_id not in self.leases
+                and public_id not in self.stores
+            ):
                 return public_id
 
     def _held(self, handle: SequenceHandle) -> tuple[int, ...]:
@@ -289,7 +389,17 @@ class AgentService:
                 )
 
     def _open_count(self, tenant: str | None) -> int:
-        return sum(1 for s in self.sequences.values() if s.tenant == tenant)
+        """Open sequences, leases and in-flight stores of a tenant (one cap for all three)."""
+        return (
+            sum(1 for s in self.sequences.values() if s.tenant == tenant)
+            + sum(1 for x in self.leases.values() if x.tenant == tenant)
+            + sum(1 for x in self.stores.values() if x.tenant == tenant)
+        )
+
+    @property
+    def open_handles(self) -> int:
+        """Open sequences, leases and in-flight stores (a drain waits for them)."""
+        return len(self.sequences) + len(self.leases) + len(self.stores)
 
     def _account(self, tenant: str | None, old: tuple[int, ...], new: tuple[int, ...]) -> None:
         have = self._held_by.setdefault(tenant, [0] * len(self._window_blocks))
@@ -472,6 +582,255 @@ class AgentService:
         except ValueError as err:  # AttentionRequestError and the kernels' shape checks
             raise RequestError(422, str(err)) from None
 
+    # ------------------------------------------------------------------ engine keys
+
+    def _chain(self, ns: KeyNamespace, keys: list[bytes]) -> list[bytes]:
+        """The request's keys, checked against the namespace rules and ``transfer.max_keys``."""
+        try:
+            ns.check()
+            return check_keys(keys, self.config.transfer.max_keys)
+        except KeyFormatError as err:
+            raise RequestError(422, str(err)) from None
+
+    async def lookup_keys(
+        self, principal: Principal, ns: KeyNamespace, keys: list[bytes]
+    ) -> list[str]:
+        """Tier of each leading resident block of a chain, in the caller's tenant; no side
+        effects (``KVCacheManager.lookup``)."""
+        tenant = self.tenant_of(principal)
+        chain = self._chain(ns, keys)
+        salt = tenant_salt(tenant, ns.salt())
+        tokens = chain_tokens(chain, self.engine.tpb)
+        return await self.call(lambda: self.engine.lookup(tokens, cache_salt=salt))
+
+    async def lease_keys(
+        self, principal: Principal, ns: KeyNamespace, keys: list[bytes], ttl_s: float | None
+    ) -> tuple[Lease | None, list[str]]:
+        """Pin the leading resident blocks of a chain for at most ``ttl_s`` (bounded by
+        ``transfer.max_lease_ttl_s``); None when none is resident. A lease is the data
+        plane's prefix-cache query: the whole chain counts as queried, the lease as hits."""
+        tenant = self.tenant_of(principal)
+        chain = self._chain(ns, keys)
+        if self.draining:
+            raise RequestError(503, "draining: this agent grants no new leases")
+        cfg = self.config.transfer
+        ttl = cfg.lease_ttl_s if ttl_s is None else ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+            raise RequestError(422, "ttl_s: a finite number of seconds")
+        if ttl <= 0:
+            raise RequestError(422, "ttl_s: must be positive")
+        ttl = min(float(ttl), cfg.max_lease_ttl_s)
+        salt = tenant_salt(tenant, ns.salt())
+        tpb = self.engine.tpb
+        tokens = chain_tokens(chain, tpb)
+
+        def run() -> tuple[Lease | None, list[str]]:
+            tiers = self.engine.lookup(tokens, cache_salt=salt)
+            d = len(tiers)
+            if d == 0:
+                self._count_unmatched(len(chain))
+                return None, []
+            self._admit(tenant, d * tpb)
+            handle = self.engine.open_sequence(
+                tokens[: d * tpb], cache_salt=salt, recompute_last_token=False
+            )
+            if handle.num_reused_tokens != d * tpb:  # cannot happen: same hold as the lookup
+                self.engine.release(handle.seq_id, discard=True)
+                raise RequestError(503, "lease: the cache changed under the request; retry")
+            self._count_unmatched(len(chain) - d)
+            lease = Lease(
+                self._new_id(),
+                tenant,
+                handle,
+                d,
+                tiers,
+                time.monotonic() + ttl,
+                ttl,
+                self._held(handle),
+            )
+            self.leases[lease.public_id] = lease
+            self._lease_added.set()
+            self._account(tenant, (), lease.held)
+            if salt is not None:
+                self.namespaces[_namespace(salt, ())] = (salt, ())
+            return lease, tiers
+
+        return await self.call(run)
+
+    def _count_unmatched(self, blocks: int) -> None:
+        """Count the part of a leased chain past the lease as queried (missed) tokens."""
+        stats = self.engine.stats
+        stats.queries_tokens += blocks * self.engine.tpb
+        stats.queries_blocks += blocks
+
+    async def release_lease(self, principal: Principal, lease_id: int) -> None:
+        await self.call(lambda: self._close_lease(self._owned_lease(principal, lease_id)))
+
+    def _owned_lease(self, principal: Principal, lease_id: int) -> Lease:
+        """The caller's live lease; another tenant's, a released or an expired one: 404."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.tenant != self.tenant_of(principal):
+            raise RequestError(404, f"lease {lease_id} is not held (unknown, released or expired)")
+        if time.monotonic() >= lease.expires_at:
+            self._expire(lease)
+            raise RequestError(404, f"lease {lease_id} is not held (unknown, released or expired)")
+        return lease
+
+    def _close_lease(self, lease: Lease) -> None:
+        """Forget a lease; its blocks are unpinned now, or when its last read ends."""
+        self.leases.pop(lease.public_id, None)
+        if lease.closing:
+            return
+        lease.closing = True
+        if lease.readers == 0:
+            self._unpin_lease(lease)
+
+    def _unpin_lease(self, lease: Lease) -> None:
+        self.engine.release(lease.handle.seq_id)
+        self._account(lease.tenant, lease.held, ())
+
+    def _expire(self, lease: Lease) -> None:
+        self.expired_leases += 1
+        self._close_lease(lease)
+
+    async def expire_leases(self, now: float | None = None) -> int:
+        """Release every lease past its deadline (``kvpool_leases_expired_total``)."""
+
+        def run() -> int:
+            t = time.monotonic() if now is None else now
+            stale = [lease for lease in self.leases.values() if t >= lease.expires_at]
+            for lease in stale:
+                self._expire(lease)
+            return len(stale)
+
+        if not self.leases:
+            return 0
+        return await self.call(run)
+
+    async def begin_read(
+        self, principal: Principal, lease_id: int, start: int, count: int, pools: list[int]
+    ) -> tuple[Lease, dict[int, list[int]]]:
+        """Primary block ids of blocks ``[start, start + count)`` of a lease in each of
+        ``pools``, looked up in the same lock hold as the ownership check; the lease's blocks
+        stay pinned until ``end_read``, even if the lease is released or expires meanwhile."""
+
+        def run() -> tuple[Lease, dict[int, list[int]]]:
+            lease = self._owned_lease(principal, lease_id)
+            if count < 1 or start < 0 or start + count > lease.blocks:
+                raise RequestError(
+                    422,
+                    f"blocks [{start}, {start + count}) are outside the lease's "
+                    f"{lease.blocks} blocks",
+                )
+            handle = lease.handle
+            tpb = handle.tokens_per_block
+            ids = {}
+            for pool in pools:
+                first = handle.first_token[pool] // tpb
+                if start < first:
+                    raise RequestError(
+                        422,
+                        f"pool {pool}: blocks before {first} are outside its attention window "
+                        f"(the lease holds blocks {first}..{lease.blocks - 1} of it)",
+                    )
+                table = handle.block_tables[pool]
+                ids[pool] = list(table[start - first : start - first + count])
+            lease.readers += 1
+            return lease, ids
+
+        return await self.call(run)
+
+    async def end_read(self, lease: Lease) -> None:
+        def run() -> None:
+            lease.readers -= 1
+            if lease.closing and lease.readers == 0:
+                self._unpin_lease(lease)
+
+        await self.call(run)
+
+    async def begin_store(
+        self,
+        principal: Principal,
+        ns: KeyNamespace,
+        keys: list[bytes],
+        first: int,
+        priority: int | None = None,
+    ) -> StoreStart:
+        """Open a chain for writing: the blocks from the resident prefix on get fresh private
+        blocks, which only the caller writes (outside the lock) before ``finish_store``.
+        ``first`` is the first block whose bytes the client sends: the cache must hold every
+        block before it, else nothing is stored (``gap``)."""
+        tenant = self.tenant_of(principal)
+        chain = self._chain(ns, keys)
+        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(chain):
+            raise RequestError(422, f"first: a block index in [0, {len(chain)}]")
+        if self.draining:
+            raise RequestError(503, "draining: this agent stores nothing new")
+        if priority is None:
+            policy = self.default_retention()
+        else:
+            try:
+                policy = KvCacheRetentionConfig.model_validate(
+                    {"token_range_retention_configs": [{"token_start": 0, "priority": priority}]}
+                )
+            except ValueError:
+                raise RequestError(422, "priority: an integer in [0, 100]") from None
+        salt = tenant_salt(tenant, ns.salt())
+        tpb = self.engine.tpb
+        tokens = chain_tokens(chain, tpb)
+        n = len(chain)
+
+        def run() -> StoreStart:
+            d = len(self.engine.lookup(tokens, cache_salt=salt))
+            if first > d:
+                return StoreStart(None, d, n, gap=True)
+            if d == n:
+                return StoreStart(None, d, n)
+            self._admit(tenant, n * tpb)
+            stats = self.engine.stats
+            saved = {name: _copy(getattr(stats, name)) for name in QUERY_COUNTERS}
+            try:
+                handle = self.engine.open_sequence(
+                    tokens, cache_salt=salt, retention=policy, recompute_last_token=False
+                )
+            finally:  # storing is not a prefix-cache query
+                for name, value in saved.items():
+                    setattr(stats, name, value)
+            resident = handle.num_reused_tokens // tpb
+            ids = {}
+            for pool, table in enumerate(handle.block_tables):
+                first_block = handle.first_token[pool] // tpb
+                ids[pool] = list(table[resident - first_block : n - first_block])
+            store = Store(self._new_id(), tenant, handle, resident, n, self._held(handle), ids)
+            self.stores[store.store_id] = store
+            self._account(tenant, (), store.held)
+            if salt is not None:
+                self.namespaces[_namespace(salt, ())] = (salt, ())
+            return StoreStart(store, store.resident, n)
+
+        return await self.call(run)
+
+    async def finish_store(self, store: Store) -> None:
+        """Commit a filled store: its blocks enter the tree (BlockStored events)."""
+
+        def run() -> None:
+            self.stores.pop(store.store_id)
+            self.engine.release(store.handle.seq_id)
+            self._account(store.tenant, store.held, ())
+
+        await self.call(run)
+
+    async def abort_store(self, store: Store) -> None:
+        """Drop a store whose bytes did not all arrive: nothing of it enters the tree."""
+
+        def run() -> None:
+            if self.stores.pop(store.store_id, None) is None:
+                return
+            self.engine.release(store.handle.seq_id, discard=True)
+            self._account(store.tenant, store.held, ())
+
+        await self.call(run)
+
     # ------------------------------------------------------------------ config
 
     async def apply_config(self, new: AgentConfig) -> list[str]:
@@ -513,13 +872,18 @@ class AgentService:
         return result
 
     async def release_all(self) -> int:
-        """Release every open sequence, dropping uncommitted KV (end of a drain)."""
+        """Release every open sequence (dropping uncommitted KV) and every lease (end of a
+        drain). In-flight stores finish or abort on their own: only their connection may
+        release them, since it may be writing into their blocks."""
 
         def run() -> int:
             open_now = list(self.sequences.values())
             for seq in open_now:
                 self._release(seq, discard=True)
-            return len(open_now)
+            leases = list(self.leases.values())
+            for lease in leases:
+                self._close_lease(lease)
+            return len(open_now) + len(leases)
 
         return await self.call(run)
 
@@ -540,11 +904,30 @@ class AgentService:
             "draining": self.draining,
             "pending_restart": self.reloads.pending_restart,
             "expired_sequences": self.expired_sequences,
+            "open_leases": len(self.leases),
+            "expired_leases": self.expired_leases,
+            "stores_in_flight": len(self.stores),
         }
 
 
 HEAVY_BYTES = 1 << 20
 """Copies larger than this run in a worker thread, so the event loop keeps serving probes."""
+
+QUERY_COUNTERS = (
+    "queries_tokens",
+    "queries_blocks",
+    "hits_tokens",
+    "hits_blocks",
+    "partial_hit_tokens",
+    "capacity_miss_tokens",
+    "capacity_miss_blocks",
+    "sequences_opened",
+)
+"""Engine counters of prefix-cache queries (a store restores them: it is not a query)."""
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
 
 
 def _at_host(endpoint: str | None, host: str) -> str | None:

@@ -1,0 +1,109 @@
+"""Lookup and leases over the HTTP API (JSON, keys in hex), for simple clients and debugging."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from kvpool_agent.credentials import Principal
+from kvpool_agent.server import AgentService, create_app
+
+from .conftest import NS, TOKENS, agent_config, keys_for, write_auth
+
+pytestmark = pytest.mark.asyncio
+
+A = Principal(tenant="a", peer=False)
+
+
+@pytest_asyncio.fixture
+async def service(tmp_path: Path) -> AsyncIterator[AgentService]:
+    svc = AgentService(agent_config(auth=write_auth(tmp_path)))
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+@pytest_asyncio.fixture
+async def http(service: AgentService) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app(service))
+    async with httpx.AsyncClient(transport=transport, base_url="http://agent") as c:
+        yield c
+
+
+def body(keys: list[bytes], **extra: Any) -> dict[str, Any]:
+    return {"namespace": {"model": NS.model}, "keys": [k.hex() for k in keys], **extra}
+
+
+def auth(tenant: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {TOKENS[tenant]}"}
+
+
+async def store(service: AgentService, keys: list[bytes]) -> None:
+    start = await service.begin_store(A, NS, keys, 0)
+    assert start.store is not None
+    await service.finish_store(start.store)
+
+
+async def test_lookup_lease_and_release_over_http(
+    service: AgentService, http: httpx.AsyncClient
+) -> None:
+    keys = keys_for(1, 3)
+    resp = await http.post("/v1/keys/lookup", json=body(keys), headers=auth("a"))
+    assert resp.status_code == 200 and resp.json() == {"count": 0, "tiers": []}
+    await store(service, keys[:2])
+    resp = await http.post("/v1/keys/lookup", json=body(keys), headers=auth("a"))
+    assert resp.json() == {"count": 2, "tiers": ["primary", "primary"]}
+    resp = await http.post("/v1/leases", json=body(keys, ttl_s=5), headers=auth("a"))
+    assert resp.status_code == 201, resp.text
+    lease = resp.json()
+    assert lease["count"] == 2 and lease["ttl_s"] == 5 and lease["first_block"] == [0]
+    assert sum(r["blocks_pinned"] for r in service.engine.usage()) == 2
+    # Another tenant sees nothing of it, and cannot release it.
+    resp = await http.post("/v1/keys/lookup", json=body(keys), headers=auth("b"))
+    assert resp.json()["count"] == 0
+    resp = await http.post("/v1/leases", json=body(keys), headers=auth("b"))
+    assert resp.status_code == 200 and resp.json()["lease_id"] is None
+    resp = await http.delete(f"/v1/leases/{lease['lease_id']}", headers=auth("b"))
+    assert resp.status_code == 404
+    resp = await http.delete(f"/v1/leases/{lease['lease_id']}", headers=auth("a"))
+    assert resp.status_code == 204
+    assert sum(r["blocks_pinned"] for r in service.engine.usage()) == 0
+    resp = await http.delete(f"/v1/leases/{lease['lease_id']}", headers=auth("a"))
+    assert resp.status_code == 404
+    stats = (await http.get("/v1/stats", headers=auth("a"))).json()
+    assert stats["open_leases"] == 0 and stats["expired_leases"] == 0
+
+
+@pytest.mark.parametrize(
+    ("doc", "status"),
+    [
+        ({"namespace": {"model": "m"}, "keys": ["abc"]}, 422),  # odd hex
+        ({"namespace": {"model": "m"}, "keys": ["zz"]}, 422),
+        ({"namespace": {"model": "m"}, "keys": []}, 422),
+        ({"namespace": {"model": "m"}, "keys": ["00" * 65]}, 422),
+        ({"namespace": {"model": ""}, "keys": ["00"]}, 422),
+        ({"namespace": {"model": "a\u001fb"}, "keys": ["00"]}, 422),
+        ({"namespace": {"model": "m", "rank": -1}, "keys": ["00"]}, 422),
+        ({"namespace": {"model": "m"}, "keys": ["00"], "extra": 1}, 422),
+        ({"namespace": {"model": "m"}, "keys": ["00"] * 4097}, 422),  # transfer.max_keys
+    ],
+)
+async def test_bad_lookups_are_refused(
+    service: AgentService, http: httpx.AsyncClient, doc: dict[str, Any], status: int
+) -> None:
+    resp = await http.post("/v1/keys/lookup", json=doc, headers=auth("a"))
+    assert resp.status_code == status, resp.text
+
+
+async def test_keys_routes_need_a_tenant_token(http: httpx.AsyncClient) -> None:
+    keys = keys_for(2, 1)
+    assert (await http.post("/v1/keys/lookup", json=body(keys))).status_code == 401
+    assert (await http.post("/v1/leases", json=body(keys))).status_code == 401
+    assert (await http.delete("/v1/leases/1")).status_code == 401
+    resp = await http.post("/v1/leases", json=body(keys, ttl_s=-1), headers=auth("a"))
+    assert resp.status_code == 422

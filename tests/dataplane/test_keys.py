@@ -1,0 +1,162 @@
+"""Engine keys -> synthetic tokens, and ``KVCacheManager.lookup`` (no side effects)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool_agent.cache import KVCacheManager
+from kvpool_agent.config import KvCacheConfig, ModelGeometry
+from kvpool_agent.dataplane.keys import (
+    KeyFormatError,
+    KeyNamespace,
+    block_tokens,
+    chain_tokens,
+    check_keys,
+    engine_key,
+)
+from kvpool_agent.server.service import tenant_salt
+
+from .conftest import keys_for
+
+MODEL = ModelGeometry(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+TPB = 4
+
+
+@pytest.mark.parametrize("tpb", [2, 4, 8, 16, 64])
+def test_a_key_maps_to_one_block_of_63_bit_tokens(tpb: int) -> None:
+    tokens = block_tokens(b"\x01" * 32, tpb)
+    assert len(tokens) == tpb
+    words = min(tpb, 8)
+    assert all(0 <= t < 1 << 63 for t in tokens)
+    assert all(t != 0 for t in tokens[:words])  # digest words (zero with odds 2**-63)
+    assert tokens[words:] == [0] * (tpb - words)
+    assert block_tokens(b"\x01" * 32, tpb) == tokens  # deterministic
+    assert chain_tokens([b"a", b"b"], tpb) == block_tokens(b"a", tpb) + block_tokens(b"b", tpb)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=64), min_size=2, max_size=50, unique=True))
+def test_distinct_keys_get_distinct_blocks(keys: list[bytes]) -> None:
+    blocks = {tuple(block_tokens(k, 2)) for k in keys}
+    assert len(blocks) == len(keys)
+
+
+def test_namespace_and_key_rules() -> None:
+    ns = KeyNamespace("llama", rank=3, layer_group=1).check()
+    assert ns.salt() == "\x1fkeys\x1fllama\x1f3\x1f1"
+    # The tenant decides the namespace: the same keys in two tenants are two trees.
+    assert tenant_salt("a", ns.salt()) != tenant_salt("b", ns.salt())
+    for bad in (
+        KeyNamespace(""),
+        KeyNamespace("x" * 257),
+        KeyNamespace("a\x1fb"),
+        KeyNamespace("m", rank=-1),
+        KeyNamespace("m", layer_group=1 << 32),
+        KeyNamespace("m", rank=True),
+    ):
+        with pytest.raises(KeyFormatError):
+            bad.check()
+    assert check_keys([b"k"], 1) == [b"k"]
+    for keys, limit in (([], 4), ([b"k"] * 5, 4), ([b""], 4), ([b"x" * 65], 4), (["str"], 4)):
+        with pytest.raises(KeyFormatError):
+            check_keys(keys, limit)  # type: ignore[arg-type]
+
+
+def test_engine_key_of_vllm_and_sglang_hashes() -> None:
+    digest = bytes(range(32))
+    assert engine_key(digest) == digest  # vLLM BlockHash (sha256_cbor bytes)
+    assert engine_key(memoryview(digest)) == digest
+    assert engine_key(-5) == (-5).to_bytes(8, "big", signed=True)  # builtin-hash ints
+    assert engine_key(1 << 200) == (1 << 200).to_bytes(32, "big")  # old sha256 ints
+    assert engine_key(digest.hex()) == digest  # SGLang page hashes (hex)
+    for bad in (True, 1 << 300, "zz", 1.5):
+        with pytest.raises(KeyFormatError):
+            engine_key(bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- engine lookup
+
+
+def manager(**cfg: Any) -> KVCacheManager:
+    from kvpool_agent.cache.sizing import build_pools
+
+    cfg.setdefault("tokens_per_block", TPB)
+    probe = KvCacheConfig(**cfg)
+    _, groups, _ = build_pools(MODEL, probe)
+    host = 6 * sum(g.block_bytes for g in groups)
+    config = probe.model_copy(update={"host_cache_size": host})
+    return KVCacheManager.with_capacity(MODEL, config, 8)
+
+
+def store(mgr: KVCacheManager, tokens: list[int], salt: str | None = None) -> None:
+    handle = mgr.open_sequence(tokens, cache_salt=salt, recompute_last_token=False)
+    mgr.release(handle.seq_id)
+
+
+def workload(mgr: KVCacheManager) -> list[Any]:
+    """Stores that fill the 8-block primary tier past capacity (evicting, offloading), then
+    the events they produced and the resulting tree, usage and stats."""
+    for tag in range(6):
+        store(mgr, chain_tokens(keys_for(100 + tag, 3), TPB), salt="s")
+        store(mgr, chain_tokens(keys_for(1, 2 + tag % 2), TPB), salt="s")
+    events = mgr.events.drain()
+    tree = sorted((n.key, tuple(b.tier if b else -1 for b in n.blocks)) for n in mgr.iter_nodes())
+    return [events, tree, mgr.usage(), dataclasses.asdict(mgr.stats)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "mixture"])
+def test_lookup_has_no_side_effects(policy: str) -> None:
+    """Two identical engines; one answers many lookups in between. Usage, counters, events
+    and what the later workload evicts (its order: the events) stay identical."""
+    engines = [manager(eviction_policy=policy) for _ in range(2)]
+    chains = [chain_tokens(keys_for(tag, 3), TPB) for tag in range(4)]
+    for mgr in engines:
+        for tokens in chains:
+            store(mgr, tokens, salt="s")
+        mgr.events.drain()
+    probe, twin = engines
+    before = (probe.usage(), dataclasses.asdict(probe.stats), len(probe.events))
+    seen = []
+    for tokens in chains + [chains[0][: TPB * 2], chains[1] + [1] * TPB]:
+        seen.append(probe.lookup(tokens, cache_salt="s"))
+        probe.lookup(tokens)  # another namespace
+        probe.lookup(tokens[:-1], cache_salt="s")  # not whole blocks: no partial match
+    # 12 blocks through an 8-block primary tier: the oldest chain went to the host tier.
+    assert [len(t) for t in seen] == [3, 3, 3, 3, 2, 3]
+    assert seen[0] == ["secondary"] * 3 and seen[3] == ["primary"] * 3
+    assert seen[4] == seen[0][:2] and seen[5] == seen[1]
+    assert (probe.usage(), dataclasses.asdict(probe.stats), len(probe.events)) == before
+    assert workload(probe) == workload(twin)
+
+
+def test_lookup_reports_host_tier_blocks_and_matches_open() -> None:
+    mgr = manager(eviction_policy="lru", secondary_offload_min_priority=0)
+    chains = [chain_tokens(keys_for(tag, 4), TPB) for tag in range(3)]
+    for tokens in chains:  # 12 blocks through an 8-block primary tier: the first offloads
+        store(mgr, tokens)
+    tiers = mgr.lookup(chains[0])
+    assert len(tiers) == 4 and "secondary" in tiers
+    handle = mgr.open_sequence(chains[0], recompute_last_token=False)
+    assert handle.num_reused_tokens == len(tiers) * TPB
+    mgr.release(handle.seq_id)
+    assert mgr.lookup(chains[0]) == ["primary"] * 4  # the open brought them back
+
+
+def test_lookup_follows_reuse_settings_and_windows() -> None:
+    mgr = manager(enable_block_reuse=False)
+    tokens = chain_tokens(keys_for(7, 2), TPB)
+    store(mgr, tokens)
+    assert mgr.lookup(tokens) == []
+    win = KVCacheManager.with_capacity(
+        ModelGeometry(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32"),
+        KvCacheConfig(tokens_per_block=TPB, max_attention_window=[8, 64]),
+        16,
+    )
+    tokens = chain_tokens(keys_for(8, 5), TPB)
+    store(win, tokens)
+    assert win.lookup(tokens) == ["primary"] * 5
