@@ -1,9 +1,15 @@
-"""Fixtures shared across test folders (each folder's conftest decides whether to use them)."""
+"""Fixtures and helpers shared across test folders (each folder decides whether to use them)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 
 
@@ -17,3 +23,62 @@ def single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@dataclass
+class AgentProcess:
+    """A real ``kvpool agent`` process on loopback, ready."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+AGENT_STARTUP_TIMEOUT = 90.0
+"""Importing torch on a loaded 2-core machine is slow."""
+
+
+def start_agent_process(config: Path, port: int, *args: str) -> AgentProcess:
+    """Run ``kvpool agent --config CONFIG ARGS`` (its HTTP port is ``port`` on 127.0.0.1)
+    until ``/readyz`` answers; an agent that exits or never gets ready fails the test with
+    its log."""
+    log = config.with_suffix(".log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(config), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    agent = AgentProcess(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + AGENT_STARTUP_TIMEOUT
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            agent.stop()
+            raise AssertionError(f"agent did not get ready:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{agent.url}/readyz", timeout=1).status_code == 200:
+                return agent
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def start_agent() -> Iterator[Callable[..., AgentProcess]]:
+    """``start_agent(config, port, *args)``: ``start_agent_process``, and every agent it
+    started is stopped at the end of the session at the latest."""
+    started: list[AgentProcess] = []
+
+    def start(config: Path, port: int, *args: str) -> AgentProcess:
+        agent = start_agent_process(config, port, *args)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        agent.stop()

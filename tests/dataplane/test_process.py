@@ -5,11 +5,11 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -21,9 +21,10 @@ from kvpool_agent.dataplane.protocol import F_ERROR, Op
 
 from .conftest import NS, TOKENS, Raw, keys_for, random_kv, write_auth
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+if TYPE_CHECKING:  # the shared helper's type, from tests/conftest.py
+    from tests.conftest import AgentProcess
 
-STARTUP_TIMEOUT = 90.0
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def free_port() -> int:
@@ -56,7 +57,9 @@ class Running:
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+def agent(
+    tmp_path_factory: pytest.TempPathFactory, start_agent: Callable[..., AgentProcess]
+) -> Iterator[Running]:
     tmp = tmp_path_factory.mktemp("transfer-agent")
     port, transfer = free_port(), free_port()
     doc = {
@@ -71,31 +74,11 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     }
     config = tmp / "agent.yaml"
     config.write_text(yaml.safe_dump(doc))
-    log = tmp / "agent.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(config)]
-            + ["--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    running = start_agent(config, port, "--port", str(port))
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield Running(proc, url, f"127.0.0.1:{transfer}", log)
+        yield Running(running.proc, running.url, f"127.0.0.1:{transfer}", running.log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        running.stop()
 
 
 def test_round_trip_and_auth_against_a_real_agent(agent: Running) -> None:

@@ -494,7 +494,7 @@ def test_operator_keeps_credentials_and_a_network_policy(
     assert policy is not None
     assert policy["spec"]["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
     (http,) = policy["spec"]["ingress"]  # no event consumers: the ZMQ ports stay closed
-    assert http["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert http["ports"] == [{"port": p, "protocol": "TCP"} for p in ("http", "transfer")]
     assert {"podSelector": {"matchLabels": {"kvpool.io/client": "sec"}}} in http["from"]
 
     # Timer passes (every 2 s) read the Secrets back and keep the tokens.

@@ -13,11 +13,11 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgpack
@@ -34,6 +34,9 @@ from kvpool_agent.credentials import token_digest
 from kvpool_agent.server.payload import decode_tensor, encode_tensor
 from kvpool_agent.server.snapshot import MAGIC, VERSION, geometry
 
+if TYPE_CHECKING:  # the shared helper's type, from tests/conftest.py
+    from tests.conftest import AgentProcess
+
 pytestmark = pytest.mark.slow
 
 TPB = 4
@@ -45,7 +48,6 @@ HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.5
 IDLE_SEQ_TIMEOUT = 4.0
 MAX_OPEN = 8
-STARTUP_TIMEOUT = 90.0
 TOKENS = {"a": "token-of-tenant-a-0123456789", "b": "token-of-tenant-b-0123456789"}
 TOKENS["c"] = "token-of-tenant-c-0123456789"
 PEER = "the-pools-own-peer-token-0123456789"
@@ -99,7 +101,9 @@ def agent_doc(port: int, replay_port: int, auth_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+def agent(
+    tmp_path_factory: pytest.TempPathFactory, start_agent: Callable[..., AgentProcess]
+) -> Iterator[Running]:
     tmp = tmp_path_factory.mktemp("hostile")
     auth = tmp / "auth"
     auth.mkdir()
@@ -111,29 +115,13 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     doc = agent_doc(port, replay_port, auth)
     config = tmp / "agent.yaml"
     config.write_text(yaml.safe_dump(doc))
-    log = tmp / "agent.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    running = start_agent(config, port)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield Running(url, "127.0.0.1", port, f"tcp://127.0.0.1:{replay_port}", doc, log)
+        yield Running(
+            running.url, "127.0.0.1", port, f"tcp://127.0.0.1:{replay_port}", doc, running.log
+        )
     finally:
-        proc.kill()
-        proc.wait()
+        running.stop()
 
 
 def open_seq(c: httpx.Client, tokens: list[int], **extra: Any) -> dict[str, Any]:
