@@ -53,8 +53,9 @@ async def client(service: AgentService) -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-def snapshot_state(service: AgentService) -> tuple[Any, ...]:
-    """Everything a rejected request must leave unchanged."""
+def snapshot_state(service: AgentService, arena: bool = True) -> tuple[Any, ...]:
+    """Everything a rejected request must leave unchanged (``arena=False``: all but the
+    pool bytes)."""
     eng = service.engine
     s = eng.stats
     return (
@@ -65,6 +66,8 @@ def snapshot_state(service: AgentService) -> tuple[Any, ...]:
         eng.num_nodes,
         tuple(tuple(sorted(row.items())) for row in eng.usage()),
         tuple(sorted(service.sequences)),
+        tuple(sorted(service.leases)),
+        len(service.stores),
         service.publisher.next_seq,
-        bytes(eng.storage[0].arena.numpy().tobytes()),
+        bytes(eng.storage[0].arena.numpy().tobytes()) if arena else b"",
     )

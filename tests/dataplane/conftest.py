@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 import yaml
+from agent.conftest import snapshot_state  # tests/agent (a package beside this one)
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.credentials import token_digest
@@ -96,28 +97,13 @@ class Agent:
         return out
 
     def state(self, arena: bool = True) -> tuple[Any, ...]:
-        """Everything a rejected request must leave unchanged (as tests/agent checks).
+        """Everything a rejected request must leave unchanged (tests/agent's snapshot_state).
         ``arena=False`` leaves out the pool bytes: a store aborted after its bytes arrived
         (a bad checksum) leaves them in blocks that are free again, which nobody can read
         (a block is zeroed or fully written before anyone sees it)."""
 
         def grab() -> tuple[Any, ...]:
-            svc = self.service
-            eng = svc.engine
-            s = eng.stats
-            return (
-                s.queries_tokens,
-                tuple(s.hits_tokens),
-                s.sequences_opened,
-                eng.num_open_sequences,
-                eng.num_nodes,
-                tuple(tuple(sorted(row.items())) for row in eng.usage()),
-                tuple(sorted(svc.sequences)),
-                tuple(sorted(svc.leases)),
-                len(svc.stores),
-                svc.publisher.next_seq,
-                bytes(eng.storage[0].arena.numpy().tobytes()) if arena else b"",
-            )
+            return snapshot_state(self.service, arena=arena)
 
         return self.call(grab)
 

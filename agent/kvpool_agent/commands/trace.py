@@ -32,21 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import fields
     from pathlib import Path
 
     from kvpool_agent.config import ConfigError
     from kvpool_agent.replay.synth import SharedPrefixSpec, write_trace
 
-    spec = SharedPrefixSpec(
-        groups=args.groups,
-        requests_per_group=args.requests_per_group,
-        prefix_blocks=args.prefix_blocks,
-        suffix_blocks=args.suffix_blocks,
-        block_size=args.block_size,
-        output_length=args.output_length,
-        rate=args.rate,
-        seed=args.seed,
-    )
+    # every flag is a field of the spec, under the same name
+    spec = SharedPrefixSpec(**{f.name: getattr(args, f.name) for f in fields(SharedPrefixSpec)})
     try:
         count = write_trace(spec, Path(args.out))
     except ValueError as err:

@@ -209,6 +209,8 @@ class AgentService:
         self.handoff_result: str | None = None
         self.attention_kernel = PagedAttention()
         self._held_by: dict[str | None, list[int]] = {}
+        self._open_by: Counter[str | None] = Counter()
+        """Open sequences, leases and in-flight stores per tenant (one cap for all three)."""
         self._housekeeping: asyncio.Task[None] | None = None
         groups = self.engine.plan.groups
         self._group_of_pool = [p.group for p in self.engine.plan.pools]
@@ -358,7 +360,7 @@ class AgentService:
     def _admit(self, tenant: str | None, num_tokens: int, held: tuple[int, ...] = ()) -> None:
         """Refuse (429) a request that would take its tenant past the open-sequence or the
         pinned-block cap; ``held`` is what the sequence pins already (appends)."""
-        if not held and self._open_count(tenant) >= self.limits.tenant_max_open_sequences:
+        if not held and self._open_by[tenant] >= self.limits.tenant_max_open_sequences:
             self.refusals["open_sequences"] += 1
             raise RequestError(
                 429,
@@ -388,20 +390,15 @@ class AgentService:
                     {"retry-after": "1"},
                 )
 
-    def _open_count(self, tenant: str | None) -> int:
-        """Open sequences, leases and in-flight stores of a tenant (one cap for all three)."""
-        return (
-            sum(1 for s in self.sequences.values() if s.tenant == tenant)
-            + sum(1 for x in self.leases.values() if x.tenant == tenant)
-            + sum(1 for x in self.stores.values() if x.tenant == tenant)
-        )
-
     @property
     def open_handles(self) -> int:
         """Open sequences, leases and in-flight stores (a drain waits for them)."""
         return len(self.sequences) + len(self.leases) + len(self.stores)
 
     def _account(self, tenant: str | None, old: tuple[int, ...], new: tuple[int, ...]) -> None:
+        """A tenant's handle pins ``new`` blocks per group instead of ``old``: ``()`` as
+        ``old`` opens a handle (sequence, lease or store), ``()`` as ``new`` closes one."""
+        self._open_by[tenant] += (not old) - (not new)
         have = self._held_by.setdefault(tenant, [0] * len(self._window_blocks))
         for g in range(len(have)):
             have[g] += (new[g] if new else 0) - (old[g] if old else 0)
