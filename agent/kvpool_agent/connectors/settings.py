@@ -1,0 +1,177 @@
+"""What a connector is configured with, and how it finds a pool's replicas.
+
+An engine names a pool either by its Kubernetes name (``pool`` and ``namespace``: the
+connector resolves the StatefulSet pods' stable DNS names behind the pool's headless Service,
+``<pool>-<i>.<pool>.<namespace>.svc``, as the operator creates them) or by explicit
+``replicas`` (``HOST:PORT`` of each agent's transfer port). The tenant token comes from a file
+(the ``token`` key of the operator's ``<pool>-tenant-<name>`` Secret, mounted) or an
+environment variable; it is never part of the engine's configuration, which vLLM logs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_TRANSFER_PORT = 8100
+TOKEN_ENV = "KVPOOL_TOKEN"
+DISCOVERY_MISSES = 4
+"""Ordinals probed past the last one that resolved (StatefulSet ordinals are dense, but a pod
+that is not ready has no DNS record for a moment)."""
+
+
+class ConnectorConfigError(ValueError):
+    """The connector's configuration is unusable (the message names the field)."""
+
+
+class ConnectorSettings(BaseModel):
+    """``kv_connector_extra_config`` of an engine that uses a pool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pool: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        description="KVCachePool name; its replicas are found through the headless Service.",
+    )
+    namespace: str = Field(
+        default_factory=lambda: os.environ.get("POD_NAMESPACE", "default"),
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        description="Namespace of the pool (default: $POD_NAMESPACE, else `default`).",
+    )
+    cluster_domain: str = Field(
+        default="svc",
+        description="DNS suffix after the namespace (`svc.cluster.local` also works).",
+    )
+    port: int = Field(
+        default=DEFAULT_TRANSFER_PORT, ge=1, le=65535, description="The agents' transfer port."
+    )
+    max_replicas: int = Field(
+        default=64, ge=1, le=1024, description="Most pod ordinals discovery probes."
+    )
+    replicas: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="Explicit HOST:PORT transfer endpoints (instead of `pool`).",
+    )
+    token_file: str | None = Field(
+        default=None, description=f"File holding the tenant token (else ${TOKEN_ENV})."
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Model id of the key namespace (default: the engine's served model name).",
+    )
+    lookup_timeout_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=10,
+        description="Longest a scheduler lookup or lease waits; past it the answer is 0 hits.",
+    )
+    transfer_timeout_s: float = Field(
+        default=30.0, gt=0, le=600, description="Longest a worker's GET or PUT may take."
+    )
+    backoff_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=600,
+        description="After the pool failed to answer, lookups answer 0 for this long.",
+    )
+    lease_ttl_s: float = Field(
+        default=30.0, gt=0, le=3600, description="Lease of blocks between lookup and load."
+    )
+    priority: int | None = Field(
+        default=None, ge=0, le=100, description="Retention priority of stored blocks."
+    )
+    checksums: bool = Field(default=False, description="CRC-32 on every transfer.")
+    save: bool = Field(default=True, description="Store computed prompt blocks in the pool.")
+    load: bool = Field(default=True, description="Load prompt blocks the pool holds.")
+    max_pending_saves: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Saves queued for the sender thread; past it new saves are dropped.",
+    )
+    refresh_s: float = Field(
+        default=30.0, gt=0, le=3600, description="How often discovery re-resolves the pool."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ConnectorSettings:
+        if (self.pool is None) == (self.replicas is None):
+            raise ValueError("set exactly one of `pool` (a KVCachePool name) and `replicas`")
+        for replica in self.replicas or ():
+            host, sep, port = replica.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"replicas: {replica!r} is not HOST:PORT")
+        return self
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """The settings from an engine's extra config, or ConnectorConfigError naming the
+        field and what it accepts."""
+        try:
+            return cls.model_validate(extra or {})
+        except ValidationError as err:
+            problems = []
+            for e in err.errors():
+                where = ".".join(str(p) for p in e["loc"]) or "kv_connector_extra_config"
+                problems.append(f"{where}: {e['msg']}")
+            raise ConnectorConfigError(
+                "kv_connector_extra_config: " + "; ".join(problems)
+            ) from None
+
+    def token(self) -> str | None:
+        """The tenant token: the file's first line, else the environment, else None."""
+        if self.token_file is not None:
+            try:
+                text = Path(self.token_file).read_text().strip()
+            except OSError as err:
+                raise ConnectorConfigError(f"token_file: cannot read it ({err})") from None
+            if not text or any(c.isspace() for c in text):
+                raise ConnectorConfigError("token_file: expected one token, no whitespace")
+            return text
+        return os.environ.get(TOKEN_ENV) or None
+
+
+class Discovery:
+    """The pool's replicas, re-resolved at most every ``refresh_s`` seconds."""
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self._replicas: list[str] = list(settings.replicas or [])
+        self._resolved_at = -float("inf")
+
+    def replicas(self) -> list[str]:
+        """``HOST:PORT`` of every replica (stable names; empty when none resolves)."""
+        s = self.settings
+        if s.pool is None:
+            return self._replicas
+        now = time.monotonic()
+        if now - self._resolved_at >= s.refresh_s:
+            self._resolved_at = now
+            self._replicas = self._resolve()
+        return self._replicas
+
+    def _resolve(self) -> list[str]:
+        s = self.settings
+        found: list[str] = []
+        misses = 0
+        for ordinal in range(s.max_replicas):
+            host = f"{s.pool}-{ordinal}.{s.pool}.{s.namespace}.{s.cluster_domain}"
+            try:
+                socket.getaddrinfo(host, s.port, type=socket.SOCK_STREAM)
+            except OSError:
+                misses += 1
+                if misses >= DISCOVERY_MISSES:
+                    break
+                continue
+            misses = 0
+            found.append(f"{host}:{s.port}")
+        return found

@@ -1,0 +1,51 @@
+"""Counters a connector keeps: what the pool gave the engine, and every way it failed to.
+
+A pool failure costs the engine speed, never correctness; these counters are how an
+operator sees the cost (each failure mode has its own counter, in blocks where it is about
+blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ConnectorStats:
+    lookups: int = 0
+    """Scheduler lookups sent to the pool."""
+    lookup_errors: int = 0
+    """Lookups that failed or timed out (answered as 0 hits)."""
+    lookups_skipped: int = 0
+    """Lookups answered 0 without asking, during the back-off after a failure."""
+    hit_blocks: int = 0
+    """Blocks the pool held beyond the engine's own prefix cache (what the engine was told)."""
+    leases: int = 0
+    lease_errors: int = 0
+    lease_short_blocks: int = 0
+    """Blocks gone between lookup and lease (evicted meanwhile); they fail to load."""
+    loaded_blocks: int = 0
+    load_error_blocks: int = 0
+    """Blocks reported to the engine as failed to load (it recomputes them)."""
+    saved_blocks: int = 0
+    """Blocks the pool stored from this engine (written; blocks it held already not counted)."""
+    save_requests: int = 0
+    save_errors: int = 0
+    saves_dropped: int = 0
+    """Saves not sent because the sender queue was full."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if not f.name.startswith("_")
+            }

@@ -1,0 +1,527 @@
+"""``KvpoolConnector``: vLLM's KV connector (``KVConnectorBase_V1``) for a kvpool pool.
+
+vLLM runs one instance in the scheduler and one per worker; they talk only through the
+metadata the scheduler builds each step.
+
+Scheduler side
+  ``get_num_new_matched_tokens`` asks the pool how many leading prompt blocks it holds
+  (LOOKUP: no side effects; bounded by ``lookup_timeout_s``; any failure answers 0 and
+  silences the pool for ``backoff_s``, so a dead pool never stalls the scheduler).
+  ``update_state_after_alloc`` pins what it will load (LEASE, one per parallel rank);
+  ``build_connector_meta`` tells the workers which pool blocks go into which vLLM blocks, and
+  which vLLM blocks became full this step and go to the pool.
+
+Worker side
+  ``start_load_kv`` reads the leased blocks (GET, every layer at once) straight into vLLM's
+  pages before the forward pass and releases the lease; a block that could not be read (the
+  lease came back short because it was evicted meanwhile, or the agent failed) is reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it (``kv_load_failure_policy`` must be
+  ``recompute``: the connector refuses to start otherwise). ``wait_for_save`` copies the blocks
+  that became full out of vLLM's pages (one indexed copy per layer) and hands them to a sender
+  thread that PUTs them; vLLM may free or reuse its blocks at once (``request_finished``
+  never delays a free), so a save never holds up the engine beyond that copy.
+
+Keys are vLLM's own block hashes (``bytes(block_hash)``: they fold in the cache salt, LoRA
+and multimodal inputs), in the namespace (model, parallel rank, KV cache group). vLLM's
+``NONE_HASH`` is random per process unless ``PYTHONHASHSEED`` is set: every instance sharing
+a pool must set the same value, or none of them ever hits the others' blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpool_agent.connectors.settings import ConnectorConfigError, ConnectorSettings, Discovery
+from kvpool_agent.connectors.stats import ConnectorStats
+from kvpool_agent.connectors.vllm.layout import BlockLayout, LayoutError, gather, scatter
+from kvpool_agent.dataplane.client import (
+    Geometry,
+    Lease,
+    TransferClient,
+    TransferConnectionError,
+    TransferError,
+)
+from kvpool_agent.dataplane.keys import KeyNamespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.connector.vllm")
+
+FLUSH_TIMEOUT_S = 30.0
+"""How long ``shutdown`` waits for queued saves."""
+
+
+@dataclass
+class LoadSpec:
+    """Pool blocks ``first ..`` of a chain go into vLLM blocks ``block_ids`` (in order)."""
+
+    req_id: str
+    first: int
+    block_ids: list[int]
+    leases: dict[int, Lease | None]
+    """Per parallel rank (None: the lease failed; every block fails to load)."""
+
+
+@dataclass
+class SaveSpec:
+    """vLLM blocks ``block_ids`` hold chain blocks ``first ..`` of ``keys``."""
+
+    req_id: str
+    keys: list[bytes]
+    first: int
+    block_ids: list[int]
+
+
+@dataclass
+class KvpoolConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side keeps of a running request."""
+
+    request: Request
+    pool_blocks: int
+    """Leading prompt blocks the pool held at lookup (saves start there)."""
+    local_tokens: int
+    """Tokens vLLM's own prefix cache had (block-aligned)."""
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0
+    """Chain blocks the pool holds or that were sent to it."""
+
+
+class KvpoolConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for a kvpool pool (see the module docstring)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            raise ConnectorConfigError(
+                "kv_transfer_config.kv_load_failure_policy must be 'recompute' for the "
+                "kvpool connector: a block the pool fails to deliver is recomputed, never "
+                "turned into a failed request"
+            )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ConnectorConfigError(
+                f"the kvpool connector supports one KV cache group; this model has "
+                f"{len(groups)} (hybrid attention is not supported yet)"
+            )
+        self.block_size = int(vllm_config.cache_config.block_size)
+        model = vllm_config.model_config
+        served = model.served_model_name
+        if isinstance(served, list):
+            served = served[0] if served else None
+        self.model_id = self.settings.model or str(served or model.model)
+        parallel = vllm_config.parallel_config
+        self.world = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+        self.stats = ConnectorStats()
+        self._token = self.settings.token()
+        self._discovery = Discovery(self.settings)
+        self._client: TransferClient | None = None
+        self._client_replicas: list[str] = []
+        self._client_lock = threading.Lock()
+        self._silent_until = 0.0
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: list[LoadSpec] = []
+        # worker side
+        self._rank = 0
+        self._views: list[torch.Tensor] = []
+        self._layout: BlockLayout | None = None
+        self._checked_geometry = False
+        self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()
+        """Requests whose load failed this step: their saves of this step are dropped (the
+        step computed over blocks that were never loaded)."""
+        self._saves: queue.Queue[tuple[KeyNamespace, list[bytes], int, torch.Tensor] | None]
+        self._saves = queue.Queue(maxsize=self.settings.max_pending_saves)
+        self._sender: threading.Thread | None = None
+        log.info(
+            "kvpool connector (%s): model %r, block size %d, %s",
+            role.name.lower(),
+            self.model_id,
+            self.block_size,
+            f"pool {self.settings.pool}.{self.settings.namespace}"
+            if self.settings.pool
+            else f"replicas {self.settings.replicas}",
+        )
+
+    # ------------------------------------------------------------------ shared
+
+    def _ns(self, rank: int) -> KeyNamespace:
+        return KeyNamespace(self.model_id, rank=rank, layer_group=0)
+
+    def _transfer(self, timeout: float) -> TransferClient | None:
+        """A client over the replicas discovery finds now (None: none found)."""
+        replicas = self._discovery.replicas()
+        with self._client_lock:
+            if replicas != self._client_replicas or self._client is None:
+                if self._client is not None:
+                    self._client.close()
+                self._client = None
+                self._client_replicas = list(replicas)
+                if replicas:
+                    self._client = TransferClient(
+                        replicas,
+                        token=self._token,
+                        timeout=timeout,
+                        connect_timeout=min(timeout, 1.0),
+                        retries=0,
+                        checksums=self.settings.checksums,
+                    )
+            return self._client
+
+    def _silenced(self) -> bool:
+        return time.monotonic() < self._silent_until
+
+    def _failed(self, what: str, err: Exception) -> None:
+        self._silent_until = time.monotonic() + self.settings.backoff_s
+        log.warning(
+            "kvpool %s failed (%s); answering 0 hits for %.1fs", what, err, self.settings.backoff_s
+        )
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        bs = self.block_size
+        prompt = int(request.num_prompt_tokens)
+        # vLLM computes at least the prompt's last token itself.
+        chain = [bytes(h) for h in request.block_hashes[: max(0, prompt - 1) // bs]]
+        wanted = chain and (self.settings.load or self.settings.save)
+        pool_blocks = self._lookup(chain) if wanted else 0
+        self._tracked[request.request_id] = _Tracked(
+            request, pool_blocks, num_computed_tokens, saved=pool_blocks
+        )
+        if not self.settings.load:
+            return 0, False
+        extra = pool_blocks * bs - num_computed_tokens
+        if extra <= 0:
+            return 0, False
+        self.stats.add(hit_blocks=extra // bs)
+        return extra, False
+
+    def _lookup(self, chain: list[bytes]) -> int:
+        """Leading blocks of ``chain`` the pool holds for every rank (0 on any failure)."""
+        if self._silenced():
+            self.stats.add(lookups_skipped=1)
+            return 0
+        client = self._transfer(self.settings.lookup_timeout_s)
+        if client is None:
+            self.stats.add(lookups_skipped=1)
+            return 0
+        self.stats.add(lookups=1)
+        try:
+            return min(len(client.lookup(self._ns(r), chain)) for r in range(self.world))
+        except (TransferError, TransferConnectionError, OSError) as err:
+            self.stats.add(lookup_errors=1)
+            self._failed("lookup", err)
+            return 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        first = tracked.local_tokens // bs
+        end = (tracked.local_tokens + num_external_tokens) // bs
+        chain = [bytes(h) for h in request.block_hashes[:end]]
+        leases: dict[int, Lease | None] = {}
+        client = self._transfer(self.settings.lookup_timeout_s)
+        for rank in range(self.world):
+            lease = None
+            if client is not None:
+                try:
+                    lease = client.lease(self._ns(rank), chain, ttl_s=self.settings.lease_ttl_s)
+                    self.stats.add(leases=1)
+                except (TransferError, TransferConnectionError, OSError) as err:
+                    self.stats.add(lease_errors=1)
+                    self._failed("lease", err)
+            held = lease.count if lease is not None else 0
+            if held < end:
+                self.stats.add(lease_short_blocks=end - max(held, first))
+            leases[rank] = lease
+        # Whatever fails to load is recomputed and then saved again from where the pool's
+        # copy stopped.
+        tracked.saved = min(
+            [tracked.saved, *(lease.count if lease else first for lease in leases.values())]
+        )
+        self._pending_loads.append(
+            LoadSpec(request.request_id, first, tracked.block_ids[first:end], leases)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvpoolConnectorMetadata:
+        meta = KvpoolConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self.settings.save:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            self._plan_save(meta, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            self._plan_save(meta, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan_save(self, meta: KvpoolConnectorMetadata, tracked: _Tracked, tokens: int) -> None:
+        """Prompt blocks full once this step ran, not yet in the pool: save them."""
+        request = tracked.request
+        full = min(tokens, int(request.num_prompt_tokens)) // self.block_size
+        full = min(full, len(request.block_hashes), len(tracked.block_ids))
+        if full <= tracked.saved:
+            return
+        keys = [bytes(h) for h in request.block_hashes[:full]]
+        meta.saves.append(
+            SaveSpec(
+                request.request_id, keys, tracked.saved, tracked.block_ids[tracked.saved : full]
+            )
+        )
+        tracked.saved = full
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM; the worker dropped that step's
+        saves of their requests, so saving starts again from the first failed block."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for tracked in self._tracked.values():
+            for index, block_id in enumerate(tracked.block_ids[: tracked.saved]):
+                if block_id in invalid:
+                    tracked.saved = index
+                    break
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their blocks out during the step that filled them: nothing of vLLM's
+        # memory is still in flight, so its blocks may be freed now.
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._rank = _worker_rank()
+        config = self._vllm_config
+        model = config.model_config
+        backend = get_current_attn_backend(config).get_name()
+        heads = model.get_num_kv_heads(config.parallel_config)
+        self._layout = BlockLayout.for_backend(
+            backend, self.block_size, heads, model.get_head_size()
+        )
+        ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        self._views = [self._layout.blocks_view(tensor) for _, tensor in ordered]
+        self._check_geometry(strict=True)
+
+    def _check_geometry(self, *, strict: bool) -> bool:
+        """The pool's geometry matches vLLM's KV slice; a mismatch is a start-up error
+        (``strict``), and otherwise disables the connector with an error in the log."""
+        if self._checked_geometry:
+            return True
+        client = self._transfer(self.settings.transfer_timeout_s)
+        if client is None:
+            log.warning("kvpool: no replica found yet; checking the pool's geometry later")
+            return False
+        try:
+            geometry = client.geometry()
+        except (TransferError, TransferConnectionError, OSError) as err:
+            log.warning("kvpool: pool unreachable (%s); checking its geometry later", err)
+            return False
+        problem = self._geometry_problem(geometry)
+        if problem is not None:
+            if strict:
+                raise ConnectorConfigError(problem)
+            log.error("kvpool connector disabled: %s", problem)
+            self.settings = self.settings.model_copy(update={"load": False, "save": False})
+            return False
+        self._checked_geometry = True
+        return True
+
+    def _geometry_problem(self, geometry: Geometry) -> str | None:
+        layout = self._layout
+        assert layout is not None
+        if geometry.tokens_per_block != self.block_size:
+            return (
+                f"the pool stores {geometry.tokens_per_block} tokens per block, vLLM's "
+                f"block_size is {self.block_size}: they must be equal"
+            )
+        if len(geometry.pools) != 1:
+            return f"the pool has {len(geometry.pools)} layer pools; the connector needs one"
+        pool = geometry.pools[0]
+        dtype = self._views[0].dtype if self._views else None
+        want = (len(self._views), layout.kv_heads, layout.head_dim, dtype)
+        have = (len(pool.layers), pool.kv_heads, pool.head_dim, _torch_dtype(pool.dtype))
+        if want != have:
+            return (
+                f"the pool's model geometry (layers, kv heads, head dim, dtype) is {have}, "
+                f"this worker's KV slice is {want}"
+            )
+        return None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KvpoolConnectorMetadata):
+            return
+        for spec in meta.loads:
+            self._load(spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        lease = spec.leases.get(self._rank)
+        loaded = 0
+        want = len(spec.block_ids)
+        client = self._transfer(self.settings.transfer_timeout_s)
+        try:
+            if lease is not None and client is not None and self._check_geometry(strict=False):
+                count = min(lease.count - spec.first, want)
+                if count > 0:
+                    kv = client.geometry(lease.replica).empty_kv(count)[0]
+                    client.get_into(lease, [kv], start=spec.first, count=count)
+                    scatter(self._views, spec.block_ids[:count], kv)
+                    loaded = count
+        except (TransferError, TransferConnectionError, OSError, LayoutError) as err:
+            log.warning("kvpool: load of %s failed (%s); vLLM recomputes it", spec.req_id, err)
+            loaded = 0
+        finally:
+            if lease is not None and client is not None:
+                # A release that fails is harmless: the lease expires on its own.
+                with contextlib.suppress(TransferError, TransferConnectionError, OSError):
+                    client.release(lease)
+        self.stats.add(loaded_blocks=loaded, load_error_blocks=want - loaded)
+        if loaded < want:
+            self._load_errors.update(spec.block_ids[loaded:])
+            self._failed_loads.add(spec.req_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # blocks are copied out once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        failed, self._failed_loads = self._failed_loads, set()
+        if not isinstance(meta, KvpoolConnectorMetadata) or not meta.saves or not self._views:
+            return
+        for spec in meta.saves:
+            if not spec.block_ids or spec.req_id in failed:
+                continue
+            kv = gather(self._views, spec.block_ids)
+            item = (self._ns(self._rank), spec.keys, spec.first, kv)
+            try:
+                self._saves.put_nowait(item)
+            except queue.Full:
+                self.stats.add(saves_dropped=1)
+                continue
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_saves, name="kvpool-save", daemon=True
+                )
+                self._sender.start()
+
+    def _send_saves(self) -> None:
+        while (item := self._saves.get()) is not None:
+            ns, keys, first, kv = item
+            try:
+                client = self._transfer(self.settings.transfer_timeout_s)
+                if client is None or not self._check_geometry(strict=False):
+                    raise TransferConnectionError("no usable replica", request_sent=False)
+                result = client.put(ns, keys, [kv], first=first, priority=self.settings.priority)
+                self.stats.add(save_requests=1, saved_blocks=result.stored)
+            except (TransferError, TransferConnectionError, OSError) as err:
+                self.stats.add(save_errors=1)
+                log.warning("kvpool: save of %d blocks failed (%s)", len(keys) - first, err)
+            finally:
+                self._saves.task_done()
+        self._saves.task_done()
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every queued save was sent (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._saves.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self.flush()
+            self._saves.put(None)
+            self._sender.join(timeout=5)
+            self._sender = None
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+def _worker_rank() -> int:
+    """This worker's parallel rank: tensor rank + tensor size x pipeline rank."""
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    tp_rank = get_tensor_model_parallel_rank()
+    return int(tp_rank + get_tensor_model_parallel_world_size() * get_pp_group().rank_in_group)
+
+
+def _torch_dtype(name: str) -> torch.dtype | None:
+    from kvpool_agent.dataplane.client import TORCH_DTYPES
+
+    return TORCH_DTYPES.get(name)

@@ -1,0 +1,201 @@
+"""Runs a real vLLM engine (in the ``.venv-vllm`` virtualenv, never the project's own).
+
+    python run_vllm.py make-model DIR          # a tiny Llama with weights of a real scale
+    python run_vllm.py run SPEC.json OUT.json  # phases of prompts through one engine
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector's
+scheduler and worker halves, and their counters, are reachable between phases. A phase may
+set a fault of ``faulty.FaultyConnector`` (tests only) and reset vLLM's own prefix cache,
+which makes the next phase a cold engine as far as vLLM's cache goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 512, 128, 2, 4, 2, 32, 256
+BLOCK_SIZE = 32
+
+
+def make_model(out: Path) -> None:
+    """A 2-layer Llama whose attention matters: normal weights (std 0.08, embeddings 0.5),
+    so that wrong KV changes the logits (vLLM's ``dummy`` weights are too small for that)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    gen = torch.Generator().manual_seed(1234)
+
+    def normal(*shape: int, std: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    weights = {
+        "model.embed_tokens.weight": normal(VOCAB, HIDDEN, std=0.5),
+        "model.norm.weight": torch.ones(HIDDEN),
+        "lm_head.weight": normal(VOCAB, HIDDEN),
+    }
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": normal(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": normal(HIDDEN, HEADS * HEAD_DIM),
+            p + "mlp.gate_proj.weight": normal(FFN, HIDDEN),
+            p + "mlp.up_proj.weight": normal(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": normal(HIDDEN, FFN),
+            p + "input_layernorm.weight": torch.ones(HIDDEN),
+            p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+        }
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+
+
+def _connectors(llm: Any) -> tuple[Any, Any]:
+    """The scheduler-side and worker-side connector instances of an in-process engine."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler.get_kv_connector()
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    return scheduler, worker
+
+
+def pool_hits_tokens(metrics_url: str) -> float | None:
+    """The agent's ``kvpool_prefix_cache_hits_tokens_total`` (None when it does not answer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    prefix = "kvpool_prefix_cache_hits_tokens_total{"
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+    )
+
+
+def run(spec_path: Path, out_path: Path) -> None:
+    spec = json.loads(spec_path.read_text())
+    sys.path.insert(0, str(HERE))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    connector = spec.get("connector")
+    if connector is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=connector["class"],
+            kv_connector_module_path=connector["module"],
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=connector["extra"],
+        )
+    started = time.monotonic()
+    llm = LLM(
+        model=spec["model"],
+        served_model_name=spec.get("served_model_name", "tiny-llama"),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=1024,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        max_num_seqs=8,
+        seed=0,
+        **kwargs,
+    )
+    result: dict[str, Any] = {"startup_s": time.monotonic() - started, "phases": []}
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 4), logprobs=1)
+    for phase in spec["phases"]:
+        scheduler, worker = _connectors(llm) if connector is not None else (None, None)
+        if phase.get("reset"):
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+        fault = phase.get("fault")
+        if fault is not None:
+            from faulty import FaultyConnector
+
+            FaultyConnector.configure(fault, phase.get("fault_args", {}))
+        prompts = [{"prompt_token_ids": ids} for ids in phase["prompts"]]
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.monotonic() - t0
+        if worker is not None:
+            assert worker.flush(60.0), "the connector's saves did not finish"
+        record = {
+            "name": phase["name"],
+            "elapsed_s": elapsed,
+            "outputs": [
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "logprobs": [
+                        lp[tok].logprob
+                        for tok, lp in zip(
+                            o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True
+                        )
+                    ],
+                    "num_cached_tokens": o.num_cached_tokens,
+                }
+                for o in outputs
+            ],
+        }
+        if spec.get("pool_metrics"):
+            record["pool_hits_tokens"] = pool_hits_tokens(spec["pool_metrics"])
+        if scheduler is not None:
+            record["scheduler_stats"] = scheduler.stats.snapshot()
+        if worker is not None:
+            record["worker_stats"] = worker.stats.snapshot()
+        result["phases"].append(record)
+        out_path.write_text(json.dumps(result))
+    if connector is not None:
+        from faulty import FaultyConnector
+
+        FaultyConnector.configure("none", {})
+    out_path.write_text(json.dumps(result))
+    # The engine's process-wide state is torn down by exit; nothing runs after this.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make-model":
+        make_model(Path(sys.argv[2]))
+    elif sys.argv[1] == "run":
+        run(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown command {sys.argv[1]!r}")

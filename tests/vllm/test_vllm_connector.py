@@ -1,0 +1,306 @@
+"""vLLM uses a pool: real vLLM engines (``.venv-vllm``) and a real agent process on loopback.
+
+Engines, in order, all against one agent (two tenants, 64 blocks of capacity):
+* ``baseline``: no connector; the reference greedy tokens and logprobs;
+* ``A`` (tenant a): serves prompts P and stores their blocks;
+* ``C`` (tenant b): prompts Q sharing prefixes with P: no hit, tenant a's blocks are not its;
+* ``B`` (tenant a, a fresh process): prompts Q, in phases with vLLM's own prefix cache reset
+  between them: hits from the pool with the baseline's outputs; loaded KV corrupted (outputs
+  change: the check can fail); the pool's blocks evicted between lookup and lease, the agent
+  killed between lease and read, then the pool down: outputs equal the baseline every time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+import yaml
+
+from kvpool_agent.credentials import token_digest
+
+if TYPE_CHECKING:
+    from tests.conftest import AgentProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("run_vllm.py")
+TOKENS = {"a": "vllm-tenant-a-token-0123456789", "b": "vllm-tenant-b-token-0123456789"}
+BLOCK = 32
+SHARED = 4 * BLOCK
+"""Prefix every prompt of P shares."""
+POOL_BLOCKS = 64
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers x K/V x tokens x kv heads x head dim x fp32
+LOGPROB_TOLERANCE = 1e-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """P: 3 prompts of 232 tokens sharing 4 blocks; Q: P's first 200 tokens (6 full blocks)
+    and 40 new ones."""
+    rng = random.Random(7)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    shared = tokens(SHARED)
+    p = [shared + tokens(232 - SHARED) for _ in range(3)]
+    q = [prompt[:200] + tokens(40) for prompt in p]
+    return p, q
+
+
+P, Q = _prompts()
+Q_HIT_TOKENS = 200 // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    """The ``.venv-vllm`` interpreter, built on demand (hack/vllm-venv.sh is idempotent)."""
+    subprocess.run(["bash", str(REPO / "hack" / "vllm-venv.sh")], check=True, cwd=REPO)
+    venv = Path(os.environ.get("KVPOOL_VLLM_VENV", REPO / ".venv-vllm"))
+    if not venv.is_absolute():
+        venv = REPO / venv
+    return venv / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([str(vllm_python), str(RUNNER), "make-model", str(out)], check=True)
+    return out
+
+
+@dataclass
+class Pool:
+    agent: AgentProcess
+    transfer: str
+
+    def hits_tokens(self) -> float:
+        text = httpx.get(f"{self.agent.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvpool_prefix_cache_hits_tokens_total{")
+        )
+
+
+@pytest.fixture(scope="module")
+def pool(
+    tmp_path_factory: pytest.TempPathFactory, start_agent: Callable[..., AgentProcess]
+) -> Iterator[Pool]:
+    tmp = tmp_path_factory.mktemp("vllm-pool")
+    (tmp / "tenants.yaml").write_text(
+        yaml.safe_dump({name: token_digest(tok) for name, tok in TOKENS.items()})
+    )
+    port, transfer = _free_port(), _free_port()
+    doc = {
+        "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32"},
+        "kv_cache_config": {"tokens_per_block": BLOCK},
+        "device": "cpu",
+        "cpu_budget_bytes": POOL_BLOCKS * BLOCK_BYTES,
+        "events": {"endpoint": None, "replay_endpoint": None},
+        "auth": {"tenants_file": str(tmp / "tenants.yaml")},
+        "transfer": {"port": transfer},
+    }
+    config = tmp / "agent.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    agent = start_agent(config, port, "--port", str(port))
+    yield Pool(agent, f"127.0.0.1:{transfer}")
+    agent.stop()
+
+
+def run_engine(
+    python: Path, tmp: Path, name: str, spec: dict[str, Any], *, token: str | None = None
+) -> dict[str, Any]:
+    """One vLLM engine process through ``spec``'s phases; its result document."""
+    spec_path, out = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "agent"), str(RUNNER.parent)])
+    env.pop("KVPOOL_TOKEN", None)
+    if token is not None:
+        env["KVPOOL_TOKEN"] = token
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.run(
+            [str(python), str(RUNNER), "run", str(spec_path), str(out)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=600,
+        )
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"vLLM engine {name} failed ({proc.returncode}):\n{log.read_text()}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def connector(pool: Pool, **extra: Any) -> dict[str, Any]:
+    return {
+        "module": "faulty",
+        "class": "FaultyConnector",
+        "extra": {"replicas": [pool.transfer], "lookup_timeout_s": 2.0, **extra},
+    }
+
+
+def same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> bool:
+    for g, w in zip(got, want, strict=True):
+        if g["tokens"] != w["tokens"]:
+            return False
+        for a, b in zip(g["logprobs"], w["logprobs"], strict=True):
+            if not math.isclose(a, b, abs_tol=LOGPROB_TOLERANCE):
+                return False
+    return True
+
+
+def phase(result: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(p for p in result["phases"] if p["name"] == name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def baseline(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("vllm-baseline")
+    spec = {
+        "model": str(model_dir),
+        "connector": None,
+        "phases": [{"name": "p", "prompts": P}, {"name": "q", "prompts": Q, "reset": True}],
+    }
+    return run_engine(vllm_python, tmp, "baseline", spec)
+
+
+def test_engines_share_kv_through_the_pool_and_a_failing_pool_costs_only_speed(
+    vllm_python: Path,
+    model_dir: Path,
+    pool: Pool,
+    baseline: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    want_p, want_q = phase(baseline, "p")["outputs"], phase(baseline, "q")["outputs"]
+    # The weights make attention matter: different prompts give different continuations.
+    assert len({tuple(o["tokens"]) for o in want_q}) > 1
+
+    # A stores P's full prompt blocks: 4 shared + 3 x 3 of their own.
+    a = run_engine(
+        vllm_python,
+        tmp_path,
+        "A",
+        {
+            "model": str(model_dir),
+            "connector": connector(pool),
+            "phases": [
+                {"name": "store", "prompts": P},
+            ],
+        },
+        token=TOKENS["a"],
+    )
+    store = phase(a, "store")
+    assert same_outputs(store["outputs"], want_p)
+    assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
+    assert store["worker_stats"]["save_errors"] == 0
+    assert store["scheduler_stats"]["hit_blocks"] == 0  # the pool was empty
+
+    # C, another tenant, asks for the same prefixes: nothing of tenant a's is visible.
+    c = run_engine(
+        vllm_python,
+        tmp_path,
+        "C",
+        {
+            "model": str(model_dir),
+            "connector": connector(pool),
+            "phases": [
+                {"name": "other-tenant", "prompts": Q},
+            ],
+        },
+        token=TOKENS["b"],
+    )
+    other = phase(c, "other-tenant")
+    # (Q's prompts share 4 blocks among themselves, which vLLM's own cache may serve.)
+    assert other["outputs"][0]["num_cached_tokens"] == 0
+    assert other["scheduler_stats"]["hit_blocks"] == 0
+    assert other["worker_stats"]["loaded_blocks"] == 0
+    assert other["scheduler_stats"]["lookup_errors"] == 0
+    assert same_outputs(other["outputs"], want_q)
+
+    # B, a fresh engine of tenant a: Q's shared blocks come from the pool.
+    hits_before = pool.hits_tokens()
+    flood = {"replicas": [pool.transfer], "token": TOKENS["a"], "blocks": POOL_BLOCKS + 16}
+    kill = {"replicas": [pool.transfer], "pid": pool.agent.proc.pid}
+    b = run_engine(
+        vllm_python,
+        tmp_path,
+        "B",
+        {
+            "model": str(model_dir),
+            "connector": connector(pool),
+            "pool_metrics": f"{pool.agent.url}/metrics",
+            "phases": [
+                {"name": "hit", "prompts": Q, "fault": "none"},
+                {"name": "corrupt", "prompts": Q, "fault": "corrupt", "reset": True},
+                {
+                    "name": "evict",
+                    "prompts": Q,
+                    "fault": "evict",
+                    "fault_args": flood,
+                    "reset": True,
+                },
+                {"name": "kill", "prompts": Q, "fault": "kill", "fault_args": kill, "reset": True},
+                {"name": "down", "prompts": Q, "fault": "none", "reset": True},
+            ],
+        },
+        token=TOKENS["a"],
+    )
+    hit = phase(b, "hit")
+    assert [o["num_cached_tokens"] for o in hit["outputs"]] == [Q_HIT_TOKENS] * 3
+    loaded = hit["worker_stats"]["loaded_blocks"]
+    assert loaded == hit["scheduler_stats"]["hit_blocks"] >= Q_HIT_TOKENS // BLOCK
+    assert hit["worker_stats"]["load_error_blocks"] == 0
+    assert same_outputs(hit["outputs"], want_q)
+    # The pool counted those hits (B's leases).
+    assert hit["pool_hits_tokens"] - hits_before >= loaded * BLOCK
+
+    # Wrong KV changes the output: the equality above is evidence, not a coincidence.
+    corrupt = phase(b, "corrupt")
+    assert corrupt["worker_stats"]["loaded_blocks"] > hit["worker_stats"]["loaded_blocks"]
+    assert not same_outputs(corrupt["outputs"], want_q)
+
+    # Evicted between lookup and lease: those blocks fail to load and are recomputed.
+    evict = phase(b, "evict")
+    stats = evict["scheduler_stats"]
+    assert stats["lease_short_blocks"] > corrupt["scheduler_stats"]["lease_short_blocks"]
+    assert evict["worker_stats"]["load_error_blocks"] > 0
+    assert same_outputs(evict["outputs"], want_q)
+
+    # The agent dies between lease and read: recomputed again.
+    killed = phase(b, "kill")
+    failed_before = evict["worker_stats"]["load_error_blocks"]
+    assert killed["worker_stats"]["load_error_blocks"] > failed_before
+    assert same_outputs(killed["outputs"], want_q)
+    assert pool.agent.proc.wait(timeout=10) != 0
+
+    # The pool is down: lookups fail fast, nothing is hit, outputs are unchanged.
+    down = phase(b, "down")
+
+    def unanswered(stats: dict[str, int]) -> int:
+        return stats["lookup_errors"] + stats["lookups_skipped"]  # failed, or in back-off
+
+    assert unanswered(down["scheduler_stats"]) > unanswered(killed["scheduler_stats"])
+    assert down["outputs"][0]["num_cached_tokens"] == 0
+    assert down["worker_stats"]["loaded_blocks"] == killed["worker_stats"]["loaded_blocks"]
+    assert same_outputs(down["outputs"], want_q)
