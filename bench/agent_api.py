@@ -112,7 +112,7 @@ def start_agent(tmp: Path, auth: bool = False) -> tuple[subprocess.Popen[bytes],
     cmd = [
         sys.executable,
         "-m",
-        "kvpool_agent.cli",
+        "kvpool_cli",
         "agent",
         "--config",
         str(path),

@@ -1,7 +1,7 @@
 """End-to-end timings of the user's story on the loopback dev cluster (real control plane).
 
 Starts its own dev cluster, ``helm install``s the chart and runs the operator under the
-chart's ServiceAccount with real agents (``tests/e2e/story_support.py``), then measures:
+chart's ServiceAccount with real agents (``kvpool_dev.stack``), then measures:
 
 1. ``kubectl apply`` -> all children created, -> every pod Ready with its agent serving, and
    -> the pool's Ready condition, for the CPU example pool and a 3-replica small pool;
@@ -33,23 +33,13 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvpool_agent.traces import Trace, load_trace
+from kvpool_dev.build import ensure_built
+from kvpool_dev.cluster import ClusterConfig, DevCluster, GpuNodeSpec
+from kvpool_dev.poll import wait_until
+from kvpool_dev.stack import EXAMPLES, Load, Stack, condition, get_json, story_trace
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-
-from story_support import (  # noqa: E402
-    EXAMPLES,
-    Load,
-    Stack,
-    condition,
-    get_json,
-    story_trace,
-    wait_until,
-)
-
-from kvpool_agent.traces import Trace, load_trace  # noqa: E402
-from kvpool_operator.devcluster.build import ensure_built  # noqa: E402
-from kvpool_operator.devcluster.cluster import ClusterConfig, DevCluster, GpuNodeSpec  # noqa: E402
-
 console = Console()
 RESULTS = REPO / "bench" / "results"
 CHILDREN = ("statefulset/{n}", "service/{n}", "configmap/{n}-agent-config", "pdb/{n}")

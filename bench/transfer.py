@@ -147,7 +147,7 @@ class AgentProcess:
         config = tmp / f"agent-{self.transfer}.yaml"
         config.write_text(yaml.safe_dump(doc))
         self.log = tmp / f"agent-{self.transfer}.log"
-        cmd = [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(config)]
+        cmd = [sys.executable, "-m", "kvpool_cli", "agent", "--config", str(config)]
         cmd += ["--port", str(self.port), "--log-level", "warning"]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

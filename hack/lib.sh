@@ -1,8 +1,9 @@
 # Shared shell helpers of the hack/ scripts. Source it from the repository root:
 #   . hack/lib.sh
 # kvpool::setup      idempotent set-up: a virtualenv with the project and its dev extras
-#                    (torch CPU included), activated, and the dev cluster binaries (built once
-#                    from the Go module proxy, cached under ~/.cache/kvpool)
+#                    (torch CPU included) and the dev tooling (devtools/: `kvpool-dev`, never
+#                    shipped), activated, and the dev cluster binaries (built once from the Go
+#                    module proxy, cached under ~/.cache/kvpool)
 # kvpool::step NAME CMD...   run CMD, print its wall time, remember it for kvpool::timings
 # kvpool::timings    print every step's time
 
@@ -17,8 +18,8 @@ kvpool::setup() {
   # shellcheck disable=SC1091
   . "$venv/bin/activate"
   python -m pip install --quiet --upgrade pip
-  python -m pip install --quiet -e '.[dev]'
-  kvpool dev-cluster build
+  python -m pip install --quiet -e '.[dev]' -e ./devtools
+  kvpool-dev cluster build
 }
 
 kvpool::step() {

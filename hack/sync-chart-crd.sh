@@ -11,12 +11,12 @@ py="${PYTHON:-python3}"
 case "${1:-}" in
   --check)
     status=0
-    "$py" -m kvpool_agent.cli crd --output crds/kvcachepools.yaml --check || status=1
-    "$py" -m kvpool_agent.cli crd --output "$chart_crd" --check || status=1
+    "$py" -m kvpool_cli crd --output crds/kvcachepools.yaml --check || status=1
+    "$py" -m kvpool_cli crd --output "$chart_crd" --check || status=1
     exit "$status"
     ;;
   "")
-    "$py" -m kvpool_agent.cli crd --output "$chart_crd"
+    "$py" -m kvpool_cli crd --output "$chart_crd"
     echo "wrote $chart_crd"
     ;;
   *)

@@ -15,6 +15,7 @@ COPY pyproject.toml README.md ./
 COPY agent/ agent/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY cli/ cli/
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}

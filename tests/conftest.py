@@ -50,7 +50,7 @@ def start_agent_process(config: Path, port: int, *args: str) -> AgentProcess:
     log = config.with_suffix(".log")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(config), *args],
+            [sys.executable, "-m", "kvpool_cli", "agent", "--config", str(config), *args],
             stdout=out,
             stderr=subprocess.STDOUT,
         )

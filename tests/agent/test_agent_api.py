@@ -329,7 +329,7 @@ async def test_fuzzed_bodies_on_other_routes_change_nothing_when_refused(
 
 
 async def test_cli_rejects_a_bad_config_with_exit_code_2(tmp_path: Any, capsys: Any) -> None:
-    from kvpool_agent.cli import main
+    from kvpool_cli import main
 
     bad = tmp_path / "agent.yaml"
     bad.write_text("model: {num_layers: 0, num_kv_heads: 2, head_dim: 8}\nbogus: 1\n")

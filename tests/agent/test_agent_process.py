@@ -54,7 +54,7 @@ class Agent:
         cmd = [
             sys.executable,
             "-m",
-            "kvpool_agent.cli",
+            "kvpool_cli",
             "agent",
             "--config",
             str(self.config),

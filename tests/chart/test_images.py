@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_agent.cli import build_parser
+from kvpool_cli import build_parser
 from kvpool_operator import children
 from kvpool_operator.models import DEFAULT_IMAGE, KVCachePool
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_operator.devcluster.build import BuildError, ensure_built
-from kvpool_operator.devcluster.cluster import ClusterConfig, DevCluster, GpuNodeSpec
-from kvpool_operator.devcluster.podagents import CommandFactory, PodAgentHarness
+from kvpool_dev.build import BuildError, ensure_built
+from kvpool_dev.cluster import ClusterConfig, DevCluster, GpuNodeSpec
+from kvpool_dev.podagents import CommandFactory, PodAgentHarness
 
 GPU_NODES = (GpuNodeSpec("gpu-node-0", gpus=8), GpuNodeSpec("gpu-node-1", gpus=8))
 _BUILD_ERRORS: list[str] = []

@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.devcluster.certs import issue_client_cert, service_account_identity
-from kvpool_operator.devcluster.cluster import DevCluster
+from kvpool_dev.certs import issue_client_cert, service_account_identity
+from kvpool_dev.cluster import DevCluster
+from kvpool_dev.poll import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +36,6 @@ CHART = REPO / "charts" / "kvpool"
 CHART_CRDS = CHART / "crds"
 SERVICE_MONITOR_CRD = REPO / "tests" / "chart" / "fixtures" / "servicemonitor-crd.yaml"
 PEERING_CRDS = ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
-WAIT = 90.0
 
 
 def write_values(tmp_path: Path, values: dict[str, Any]) -> Path:
@@ -61,15 +61,6 @@ def render(
         str(write_values(tmp_path, values)),
     )
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def get_json(cluster: DevCluster, *args: str) -> dict[str, Any] | None:
@@ -273,7 +264,7 @@ def test_operator_command_follows_values(crds: DevCluster, namespace: str, tmp_p
     assert "--allowed-image-prefix=registry.local/" in bounded
     assert "--allow-foreign-handoff-peers" in bounded
     # The flags the chart writes are the ones `kvpool operator` takes.
-    from kvpool_agent.cli import build_parser
+    from kvpool_cli import build_parser
 
     parsed = build_parser().parse_args(bounded[1:])
     assert parsed.allowed_image_prefix == ["ghcr.io/kvpool/", "registry.local/"]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.devcluster.cluster import DevCluster
+from kvpool_dev.cluster import DevCluster
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -19,26 +18,16 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.devcluster.build import DEFAULT_VERSIONS
-from kvpool_operator.devcluster.cluster import GPU_RESOURCE, DevCluster
-from kvpool_operator.devcluster.podagents import PodAgentHarness, command_template
+from kvpool_dev.build import DEFAULT_VERSIONS
+from kvpool_dev.cluster import GPU_RESOURCE, DevCluster
+from kvpool_dev.podagents import PodAgentHarness, command_template
+from kvpool_dev.poll import wait_until
 
 pytestmark = pytest.mark.e2e
 
 
 def _get_json(cluster: DevCluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
-
-
-def _wait_until(what: str, probe: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.25)
 
 
 def _gpu_pod(name: str, gpus: int, labels: dict[str, str] | None = None) -> dict[str, Any]:
@@ -81,7 +70,7 @@ def _running_pod(cluster: DevCluster, namespace: str, name: str) -> dict[str, An
         pod = _get_json(cluster, "pod", "-n", namespace, name)
         return pod if pod["status"].get("phase") == "Running" else None
 
-    result: dict[str, Any] = _wait_until(f"pod {name} Running", running)
+    result: dict[str, Any] = wait_until(f"pod {name} Running", running)
     return result
 
 
@@ -136,7 +125,7 @@ def test_scheduler_binds_gpu_pod_which_runs_with_loopback_ip(
             c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conds
         )
 
-    _wait_until("too-big to be Unschedulable", unschedulable)
+    wait_until("too-big to be Unschedulable", unschedulable)
     pod = _get_json(dev_cluster, "pod", "-n", namespace, "too-big")
     assert pod["status"]["phase"] == "Pending"
     assert "nodeName" not in pod["spec"]
@@ -164,7 +153,7 @@ def test_deployment_pods_come_from_controller_manager(
         dep = _get_json(dev_cluster, "deployment", "-n", namespace, "web")
         return dep.get("status", {}).get("availableReplicas") == 3
 
-    _wait_until("deployment web available", available)
+    wait_until("deployment web available", available)
     pods = _get_json(dev_cluster, "pods", "-n", namespace, "-l", "app=web")["items"]
     assert len(pods) == 3
     for pod in pods:
@@ -183,7 +172,7 @@ def test_pod_ips_are_unique_across_nodes(dev_cluster: DevCluster, namespace: str
         ok = len(pods) == 6 and all(p["status"].get("phase") == "Running" for p in pods)
         return pods if ok else None
 
-    pods = _wait_until("6 pods Running", all_running)
+    pods = wait_until("6 pods Running", all_running)
     ips = [p["status"]["podIP"] for p in pods]
     assert len(set(ips)) == 6, ips
     node_cidrs = {
@@ -267,7 +256,7 @@ def test_pod_agents_run_a_process_on_the_pod_ip_while_the_pod_exists(
     proc = harness.wait_for(f"{namespace}/agent-0", timeout=30)
     assert proc.pod.pod_ip == pod["status"]["podIP"]
     url = f"http://{proc.pod.pod_ip}:18080/"
-    _wait_until("agent http server", lambda: _http_status(url) == 200, timeout=20)
+    wait_until("agent http server", lambda: _http_status(url) == 200, timeout=20)
     assert set(harness.processes()) == {f"{namespace}/agent-0"}
 
     _apply(dev_cluster, namespace, _gpu_pod("agent-1", gpus=1, labels={"role": "agent"}))
@@ -288,7 +277,7 @@ def test_pod_agents_run_a_process_on_the_pod_ip_while_the_pod_exists(
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvpool_operator.commands.devcluster", *args],
+        [sys.executable, "-m", "kvpool_dev", "cluster", *args],
         capture_output=True,
         text=True,
         timeout=180,
@@ -299,7 +288,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_up_and_down_run_a_second_cluster_beside_the_first(
     dev_cluster: DevCluster, tmp_path: Path
 ) -> None:
-    from kvpool_operator.devcluster.cluster import ClusterState, process_alive
+    from kvpool_dev.cluster import ClusterState, process_alive
 
     state_dir = tmp_path / "second"
     up = _cli("up", "--dir", str(state_dir), "--gpu-nodes", "1", "--gpus-per-node", "2")

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.devcluster.cluster import DevCluster
-from kvpool_operator.devcluster.podagents import command_template
+from kvpool_dev.cluster import DevCluster
+from kvpool_dev.podagents import command_template
+from kvpool_dev.poll import wait_until
 
 os.environ.setdefault("KVPOOL_TIMER_INTERVAL", "2")
 
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "kvcachepools.yaml"
-WAIT = 90.0
 
 
 def pool_manifest(name: str, **spec: Any) -> dict[str, Any]:
@@ -109,17 +109,6 @@ def absent(cluster: DevCluster, namespace: str, what: str) -> bool:
     return get(cluster, namespace, what) is None
 
 
-def wait_for(probe: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.5)
-
-
 def apply(cluster: DevCluster, namespace: str, doc: dict[str, Any], tmp_path: Path) -> None:
     path = tmp_path / f"pool-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -156,9 +145,9 @@ def test_pool_gets_owned_children_and_turns_ready(
     crd: DevCluster, namespace: str, operator: KopfRunner, tmp_path: Path
 ) -> None:
     apply(crd, namespace, pool_manifest("demo"), tmp_path)
-    pool = wait_for(lambda: get(crd, namespace, "kvp/demo"), "the pool")
+    pool = wait_until("the pool", lambda: get(crd, namespace, "kvp/demo"))
     for child in CHILDREN:
-        obj = wait_for(functools.partial(get, crd, namespace, child.format(n="demo")), child)
+        obj = wait_until(child, functools.partial(get, crd, namespace, child.format(n="demo")))
         owner = obj["metadata"]["ownerReferences"][0]
         assert owner["uid"] == pool["metadata"]["uid"] and owner["controller"] is True
     sts = get(crd, namespace, "statefulset/demo")
@@ -167,9 +156,9 @@ def test_pool_gets_owned_children_and_turns_ready(
     assert pod_spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert pod_spec["securityContext"]["runAsNonRoot"] is True
 
-    ready = wait_for(
-        lambda: (p := get(crd, namespace, "kvp/demo")) and condition(p, "Ready") == "True" and p,
+    ready = wait_until(
         "Ready=True",
+        lambda: (p := get(crd, namespace, "kvp/demo")) and condition(p, "Ready") == "True" and p,
     )
     status = ready["status"]
     assert status["readyReplicas"] == 2 and status["updatedReplicas"] == 2
@@ -186,7 +175,7 @@ def test_live_edit_reloads_and_restart_edit_rolls(
     # minReadySeconds slows the roll down enough for the 2 s timer to see it in progress.
     doc = pool_manifest("roll", rollout={"maxUnavailable": 1, "warmHandoffSeconds": 4})
     apply(crd, namespace, doc, tmp_path)
-    wait_for(lambda: condition(get(crd, namespace, "kvp/roll"), "Ready") == "True", "Ready")
+    wait_until("Ready", lambda: condition(get(crd, namespace, "kvp/roll"), "Ready") == "True")
     first_hash = template_hash(crd, namespace, "roll")
     pods_before = pod_uids(crd, namespace)
 
@@ -199,14 +188,14 @@ def test_live_edit_reloads_and_restart_edit_rolls(
         "-p",
         '{"spec":{"kvCacheConfig":{"enableBlockReuse":false}}}',
     )
-    wait_for(
+    wait_until(
+        "the live field in the ConfigMap",
         lambda: (
             "enable_block_reuse: false"
             in ((get(crd, namespace, "configmap/roll-agent-config") or {}).get("data") or {}).get(
                 "agent.yaml", ""
             )
         ),
-        "the live field in the ConfigMap",
     )
     assert template_hash(crd, namespace, "roll") == first_hash
     time.sleep(3)
@@ -221,20 +210,20 @@ def test_live_edit_reloads_and_restart_edit_rolls(
         "-p",
         '{"spec":{"kvCacheConfig":{"hostCacheSize":1048576}}}',
     )
-    wait_for(lambda: template_hash(crd, namespace, "roll") != first_hash, "a new config hash")
+    wait_until("a new config hash", lambda: template_hash(crd, namespace, "roll") != first_hash)
     new_hash = template_hash(crd, namespace, "roll")
-    wait_for(
-        lambda: condition(get(crd, namespace, "kvp/roll"), "Progressing") == "True",
+    wait_until(
         "Progressing=True during the roll",
+        lambda: condition(get(crd, namespace, "kvp/roll"), "Progressing") == "True",
     )
-    done = wait_for(
+    done = wait_until(
+        "the roll to finish",
         lambda: (
             (p := get(crd, namespace, "kvp/roll"))
             and p.get("status", {}).get("configHash") == new_hash
             and condition(p, "Ready") == "True"
             and p
         ),
-        "the roll to finish",
         timeout=120,
     )
     assert done["status"]["updatedReplicas"] == 2
@@ -254,12 +243,12 @@ def test_deleting_a_pool_collects_its_children(
 ) -> None:
     apply(crd, namespace, pool_manifest("gone"), tmp_path)
     for child in CHILDREN:
-        wait_for(functools.partial(get, crd, namespace, child.format(n="gone")), child)
+        wait_until(child, functools.partial(get, crd, namespace, child.format(n="gone")))
     crd.kubectl("delete", "-n", namespace, "kvp/gone", "--wait=true", "--timeout=60s")
     for child in CHILDREN:
-        wait_for(
-            functools.partial(absent, crd, namespace, child.format(n="gone")),
+        wait_until(
             f"{child} to be garbage-collected",
+            functools.partial(absent, crd, namespace, child.format(n="gone")),
         )
 
 
@@ -313,20 +302,20 @@ def test_builtin_autoscaler_scales_a_hot_pool(
     )
     del doc["spec"]["replicas"]
     apply(crd, namespace, doc, tmp_path)
-    scaled = wait_for(
+    scaled = wait_until(
+        "the autoscaler to scale to 2",
         lambda: (
             (p := get(crd, namespace, "kvp/hot"))
             and p["spec"].get("replicas") == 2
             and (p.get("status") or {}).get("lastScaleTime")
             and p
         ),
-        "the autoscaler to scale to 2",
         timeout=120,
     )
     assert scaled["status"]["cache"]["hitRate"] < 0.5
-    wait_for(
-        lambda: (get(crd, namespace, "statefulset/hot") or {}).get("spec", {}).get("replicas") == 2,
+    wait_until(
         "the StatefulSet to follow",
+        lambda: (get(crd, namespace, "statefulset/hot") or {}).get("spec", {}).get("replicas") == 2,
     )
     reasons = {
         e["reason"]
@@ -362,11 +351,11 @@ def test_builtin_autoscaler_scales_an_idle_pool_down(
     )
     del doc["spec"]["replicas"]
     apply(crd, namespace, doc, tmp_path)
-    wait_for(lambda: get(crd, namespace, "statefulset/idle"), "the StatefulSet")
+    wait_until("the StatefulSet", lambda: get(crd, namespace, "statefulset/idle"))
     crd.kubectl("scale", "-n", namespace, "kvp/idle", "--replicas=3")
-    wait_for(
-        lambda: (get(crd, namespace, "kvp/idle") or {}).get("spec", {}).get("replicas") == 1,
+    wait_until(
         "the autoscaler to step down to the floor",
+        lambda: (get(crd, namespace, "kvp/idle") or {}).get("spec", {}).get("replicas") == 1,
         timeout=120,
     )
     assert "ScaledDown" in events(crd, namespace)
@@ -377,11 +366,11 @@ def test_external_mode_leaves_replicas_to_scale(
 ) -> None:
     doc = pool_manifest("ext", replicas=1, autoscaling={"mode": "external", "maxReplicas": 5})
     apply(crd, namespace, doc, tmp_path)
-    wait_for(lambda: get(crd, namespace, "statefulset/ext"), "the StatefulSet")
+    wait_until("the StatefulSet", lambda: get(crd, namespace, "statefulset/ext"))
     crd.kubectl("scale", "-n", namespace, "kvp/ext", "--replicas=3")  # what an HPA does
-    wait_for(
-        lambda: (get(crd, namespace, "statefulset/ext") or {}).get("spec", {}).get("replicas") == 3,
+    wait_until(
         "the StatefulSet to follow /scale",
+        lambda: (get(crd, namespace, "statefulset/ext") or {}).get("spec", {}).get("replicas") == 3,
     )
     time.sleep(6)  # a few timer ticks: the operator must not move replicas itself
     pool = get(crd, namespace, "kvp/ext")
@@ -425,7 +414,7 @@ def test_servicemonitor_waits_for_its_crd(
     served = crd.kubectl("get", "crd", "servicemonitors.monitoring.coreos.com", check=False)
     if served.returncode != 0:  # first run in this cluster: check the warning path too
         apply(crd, namespace, pool_manifest("mon", monitoring={"serviceMonitor": True}), tmp_path)
-        wait_for(lambda: "ServiceMonitorUnavailable" in events(crd, namespace), "a warning")
+        wait_until("a warning", lambda: "ServiceMonitorUnavailable" in events(crd, namespace))
         assert get(crd, namespace, "statefulset/mon") is not None
         path = tmp_path / "sm-crd.yaml"
         path.write_text(yaml.safe_dump(SERVICE_MONITOR_CRD))
@@ -438,9 +427,9 @@ def test_servicemonitor_waits_for_its_crd(
         )
     else:
         apply(crd, namespace, pool_manifest("mon", monitoring={"serviceMonitor": True}), tmp_path)
-    monitor = wait_for(
-        lambda: get(crd, namespace, "servicemonitors.monitoring.coreos.com/mon"),
+    monitor = wait_until(
         "the ServiceMonitor (created by the timer once its CRD exists)",
+        lambda: get(crd, namespace, "servicemonitors.monitoring.coreos.com/mon"),
     )
     assert monitor["spec"]["endpoints"][0]["port"] == "http"
     pool = get(crd, namespace, "kvp/mon")
@@ -470,10 +459,10 @@ def test_operator_keeps_credentials_and_a_network_policy(
     crd: DevCluster, namespace: str, operator: KopfRunner, tmp_path: Path
 ) -> None:
     apply(crd, namespace, pool_manifest("sec", replicas=1), tmp_path)
-    pool = wait_for(lambda: get(crd, namespace, "kvp/sec"), "the pool")
+    pool = wait_until("the pool", lambda: get(crd, namespace, "kvp/sec"))
     uid = pool["metadata"]["uid"]
     for child in ("secret/sec-auth", "secret/sec-tenant-default", "networkpolicy/sec"):
-        obj = wait_for(functools.partial(get, crd, namespace, child), child)
+        obj = wait_until(child, functools.partial(get, crd, namespace, child))
         owner = obj["metadata"]["ownerReferences"][0]
         assert owner["uid"] == uid and owner["controller"] is True, child
     token = secret_value(crd, namespace, "sec-tenant-default", "token")
@@ -481,7 +470,7 @@ def test_operator_keeps_credentials_and_a_network_policy(
     assert token and peer and token != peer
     assert agent_tenants(crd, namespace, "sec") == {token_digest(token): "default"}
 
-    sts = wait_for(lambda: get(crd, namespace, "statefulset/sec"), "the StatefulSet")
+    sts = wait_until("the StatefulSet", lambda: get(crd, namespace, "statefulset/sec"))
     pod = sts["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     auth_volume = next(v for v in pod["volumes"] if v["name"] == "auth")
@@ -505,13 +494,13 @@ def test_operator_keeps_credentials_and_a_network_policy(
 
     # Deleting a tenant's Secret rotates its token: back with a new one, the old revoked.
     crd.kubectl("delete", "-n", namespace, "secret/sec-tenant-default")
-    new_token = wait_for(
-        lambda: (t := secret_value(crd, namespace, "sec-tenant-default", "token")) != token and t,
+    new_token = wait_until(
         "the tenant Secret with a new token",
+        lambda: (t := secret_value(crd, namespace, "sec-tenant-default", "token")) != token and t,
     )
-    wait_for(
-        lambda: agent_tenants(crd, namespace, "sec") == {token_digest(new_token): "default"},
+    wait_until(
         "the agents' tenants file with the new digest only",
+        lambda: agent_tenants(crd, namespace, "sec") == {token_digest(new_token): "default"},
     )
     assert secret_value(crd, namespace, "sec-auth", "peer-token") == peer
     assert template_hash(crd, namespace, "sec") == first_hash  # no pod rolls
@@ -530,7 +519,9 @@ def test_disallowed_image_and_foreign_peers_are_degraded_not_applied(
         peers = {"lifecycle": {"handoffPeers": ["http://collector.evil.example:8000"]}}
         apply(crd, namespace, pool_manifest("evil-peer", pod=trusted, agent=peers), tmp_path)
         apply(crd, namespace, pool_manifest("fine", pod=trusted), tmp_path)
-        wait_for(lambda: get(crd, namespace, "statefulset/fine"), "the allowed pool's StatefulSet")
+        wait_until(
+            "the allowed pool's StatefulSet", lambda: get(crd, namespace, "statefulset/fine")
+        )
 
         def degraded(name: str) -> dict[str, Any] | None:
             for cond in ((get(crd, namespace, f"kvp/{name}") or {}).get("status") or {}).get(
@@ -540,9 +531,9 @@ def test_disallowed_image_and_foreign_peers_are_degraded_not_applied(
                     return dict(cond)
             return None
 
-        image = wait_for(lambda: degraded("evil-image"), "evil-image Degraded")
+        image = wait_until("evil-image Degraded", lambda: degraded("evil-image"))
         assert image["reason"] == "ImageNotAllowed" and "spec.pod.image" in image["message"]
-        peer = wait_for(lambda: degraded("evil-peer"), "evil-peer Degraded")
+        peer = wait_until("evil-peer Degraded", lambda: degraded("evil-peer"))
         assert peer["reason"] == "HandoffPeerNotAllowed"
         assert "spec.agent.lifecycle.handoffPeers[0]" in peer["message"]
         time.sleep(4)  # timer passes change nothing: still nothing applied

@@ -2,7 +2,7 @@
 
 ``helm install`` the chart; ``kvpool operator`` runs as a local process under the chart's
 ServiceAccount (its RBAC, nothing more); ``kubectl apply`` the CPU example pool; real agents
-serve on the pods' 127.x IPs (``story_support.LoopbackKubelet`` does the kubelet's part); a
+serve on the pods' 127.x IPs (``kvpool_dev.kubelet.LoopbackKubelet`` does the kubelet's part); a
 trace slice (``examples/traces``, in the repository) is driven through them with prefix
 affinity. Then the pool
 is scaled by hand, autoscaled from its hit-rate metrics, edited live and rolled, and
@@ -32,21 +32,13 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from story_support import (
-    EXAMPLES,
-    Load,
-    Stack,
-    condition,
-    get_json,
-    http_get,
-    story_trace,
-    wait_until,
-)
 
 from kvpool_agent.client import PoolClient
 from kvpool_agent.drive import DriveResult, drive
 from kvpool_agent.traces import Trace, load_trace
-from kvpool_operator.devcluster.cluster import DevCluster
+from kvpool_dev.cluster import DevCluster
+from kvpool_dev.poll import http_get, wait_until
+from kvpool_dev.stack import EXAMPLES, Load, Stack, condition, get_json, story_trace
 
 pytestmark = pytest.mark.e2e
 
@@ -162,7 +154,7 @@ def test_helm_install_runs_the_operator_under_the_charts_service_account(stack: 
         warnings.warn(
             "the operator ran with a client certificate of the chart's ServiceAccount, not "
             "its token: KubeApi.connection_info does not pass kubeconfig tokens to kopf "
-            "(see story_support.token_connects); same identity and RBAC either way",
+            "(see kvpool_dev.stack.token_connects); same identity and RBAC either way",
             stacklevel=1,
         )
 
@@ -201,7 +193,7 @@ def test_example_pool_comes_up_serves_hits_scales_and_is_collected(
     # The first pass as a user runs it: `kvpool drive TRACE --pool NAME`.
     cli = subprocess.run(
         [
-            sys.executable, "-m", "kvpool_agent.cli", "drive", str(story_trace()),
+            sys.executable, "-m", "kvpool_cli", "drive", str(story_trace()),
             "--pool", name, "-n", ns, "--kubeconfig", str(cluster.kubeconfig),
             "--limit", str(SLICE), "--json",
         ],

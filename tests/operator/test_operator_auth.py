@@ -136,7 +136,7 @@ def test_parse_labels() -> None:
 
 
 def test_operator_flags_reach_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpool_agent.cli import build_parser
+    from kvpool_cli import build_parser
 
     args = build_parser().parse_args(
         [

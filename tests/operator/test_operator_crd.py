@@ -46,7 +46,7 @@ def test_cli_check_flags_a_stale_file(tmp_path) -> None:
 
 
 def test_kvpool_crd_prints_the_crd(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpool_agent.cli import main
+    from kvpool_cli import main
 
     assert main(["crd"]) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
@@ -54,7 +54,7 @@ def test_kvpool_crd_prints_the_crd(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_kvpool_operator_flags() -> None:
-    from kvpool_agent.cli import build_parser
+    from kvpool_cli import build_parser
 
     args = build_parser().parse_args(["operator", "-n", "a", "-n", "b", "--priority", "100"])
     assert args.namespace == ["a", "b"] and args.priority == 100 and args.standalone is False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool_agent.cli import main
+from kvpool_cli import main
 from kvpool_operator.reference_doc import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.cli import main
+from kvpool_cli import main
 
 
 @pytest.fixture

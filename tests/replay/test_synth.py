@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_agent.cli import main
 from kvpool_agent.replay.synth import SAMPLE_TRACE, SharedPrefixSpec, write_trace
 from kvpool_agent.traces import load_trace
+from kvpool_cli import main
 
 
 def test_the_shipped_trace_is_what_kvpool_trace_synth_writes(tmp_path: Path) -> None:

@@ -195,7 +195,7 @@ def test_an_unauthenticated_agent_refuses_to_bind_beyond_loopback(tmp_path: Path
     config = tmp_path / "open.yaml"
     config.write_text(yaml.safe_dump(doc))
     done = subprocess.run(
-        [sys.executable, "-m", "kvpool_agent.cli", "agent", "--config", str(config)],
+        [sys.executable, "-m", "kvpool_cli", "agent", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,

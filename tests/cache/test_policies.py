@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_agent.cache.eviction import POLICIES, EvictionQueue
-from kvpool_agent.cache.policies import ReuseGapQueue
+from kvpool_agent.cache.eviction import POLICIES
+from kvpool_agent.cache.eviction.queue import EvictionQueue
+from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
 from kvpool_agent.config import DEFAULT_PRIORITY, EVICTION_POLICIES, KvCacheConfig
 
 

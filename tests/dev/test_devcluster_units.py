@@ -1,5 +1,6 @@
-"""Fast checks of the dev-cluster pieces that need no cluster: certificates, kubeconfigs,
-node manifests, build bookkeeping, pod filtering and process cleanup."""
+"""Fast checks of the dev tooling (``kvpool_dev``) that need no cluster: certificates,
+kubeconfigs, node manifests, build bookkeeping, pod filtering, process cleanup, the
+``kvpool-dev`` command and the loopback kubelet's command lines."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes import client
 
-from kvpool_operator.devcluster import certs
-from kvpool_operator.devcluster.build import (
+from kvpool_dev import certs
+from kvpool_dev.build import (
     ALL_BINARIES,
     BuildLayout,
     Versions,
@@ -29,7 +30,7 @@ from kvpool_operator.devcluster.build import (
     parse_staging_modules,
     prune_go_caches,
 )
-from kvpool_operator.devcluster.cluster import (
+from kvpool_dev.cluster import (
     GPU_RESOURCE,
     KWOK_ANNOTATION,
     ClusterConfig,
@@ -40,7 +41,7 @@ from kvpool_operator.devcluster.cluster import (
     process_alive,
     stop_processes,
 )
-from kvpool_operator.devcluster.podagents import PodInfo, command_template, pod_info
+from kvpool_dev.podagents import PodInfo, command_template, pod_info
 
 
 @pytest.fixture(scope="module")
@@ -290,13 +291,9 @@ def test_stop_processes_kills_group_and_skips_reused_pids(tmp_path: Path) -> Non
 
 
 def _cli(argv: list[str]) -> int:
-    import argparse
+    from kvpool_dev.cli import main
 
-    from kvpool_operator.commands import devcluster
-
-    parser = argparse.ArgumentParser()
-    devcluster.add_arguments(parser)
-    return devcluster.run(parser.parse_args(argv))
+    return main(["cluster", *argv])
 
 
 def test_cli_env_status_down_work_from_state_json(
@@ -341,21 +338,21 @@ def test_container_argv_rewrites_pod_paths_but_never_the_interpreter(tmp_path: P
     stays where it is; only the container's own pod paths move to the pod's directory."""
     import sys
 
-    from story_support import container_argv
+    from kvpool_dev.kubelet import container_argv
 
     rewrites = {"/tmp": str(tmp_path / "pod" / "tmp"), "/etc/kvpool": str(tmp_path / "cfg")}
     # the interpreter's own directory is a pod mount path too (as /tmp is, for a clone there)
     rewrites[str(Path(sys.executable).parent)] = str(tmp_path / "pod" / "venv")
     argv = container_argv(["kvpool", "agent", "--config", "/etc/kvpool/agent.yaml"], rewrites)
     assert argv[0] == sys.executable
-    assert argv[1:] == ["-m", "kvpool_agent.cli", "agent", "--config", f"{tmp_path}/cfg/agent.yaml"]
+    assert argv[1:] == ["-m", "kvpool_cli", "agent", "--config", f"{tmp_path}/cfg/agent.yaml"]
     assert container_argv(["/tmp/x", "/tmpfoo"], rewrites) == [f"{tmp_path}/pod/tmp/x", "/tmpfoo"]
 
 
 def test_harness_reports_agents_that_cannot_start_or_exit(tmp_path: Path) -> None:
     """An agent whose command cannot run, or that exits, is reported with the reason, the
     exit code and its log's tail (never retried in silence)."""
-    from kvpool_operator.devcluster.podagents import PodAgentHarness
+    from kvpool_dev.podagents import PodAgentHarness
 
     commands = {
         "missing": [str(tmp_path / "no-such-python"), "-m", "x"],

@@ -1,4 +1,7 @@
-"""``kvpool size CONFIG``: print the pool plan (blocks, tokens and bytes per pool and tier)."""
+"""``kvpool size CONFIG``: print the pool plan (blocks, tokens and bytes per pool and tier).
+
+It reads either component's file: an agent config (the agent's models) or a KVCachePool
+manifest (the operator's models), so it lives above both, in the CLI package."""
 
 from __future__ import annotations
 
@@ -81,8 +84,7 @@ def _agent_config(path: str) -> AgentConfig:
         doc = None  # load_agent_config says what is wrong with the file
     if not isinstance(doc, dict) or doc.get("kind") != "KVCachePool":
         return load_agent_config(path)
-    # The pool's models live with the operator (one distribution); they import no torch.
-    from kvpool_operator.models import KVCachePool
+    from kvpool_operator.models import KVCachePool  # pydantic only: no kopf, no torch
 
     try:
         return KVCachePool.model_validate(doc).spec.agent_config()

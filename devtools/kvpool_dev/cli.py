@@ -1,4 +1,10 @@
-"""``kvpool dev-cluster``: build, start, stop and inspect the loopback control plane."""
+"""``kvpool-dev``: the dev tooling's command line (not part of the shipped ``kvpool``).
+
+- ``kvpool-dev cluster build|up|down|env|status``: build, start, stop and inspect the loopback
+  control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok GPU nodes);
+- ``kvpool-dev stack serve``: on a running cluster, ``helm install`` the chart and run the
+  operator under its ServiceAccount and real agents for the pool pods, until a signal.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +15,34 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-
-HELP = "Local Kubernetes control plane on loopback (etcd, apiserver, kwok GPU nodes, helm)."
 
 
 def _default_dir(name: str) -> Path:
-    from kvpool_operator.devcluster.build import cache_root
+    from kvpool_dev.build import cache_root
 
     return cache_root() / "devcluster" / "run" / name
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool-dev", description="kvpool's dev tooling: a local control plane and stack."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_cluster_arguments(
+        sub.add_parser(
+            "cluster",
+            help="local Kubernetes control plane on loopback (etcd, apiserver, kwok GPU nodes)",
+        )
+    )
+    add_stack_arguments(
+        sub.add_parser("stack", help="the chart, the operator and agents on a running cluster")
+    )
+    return parser
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     build = sub.add_parser("build", help="build and cache the binaries (no-op when cached)")
     build.add_argument(
@@ -51,9 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--purge", action="store_true", help="also delete the state dir")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvpool_operator.devcluster.build import BuildError, ensure_built, prune_go_caches
-    from kvpool_operator.devcluster.cluster import ClusterError
+def run_cluster(args: argparse.Namespace) -> int:
+    from kvpool_dev.build import BuildError, ensure_built, prune_go_caches
+    from kvpool_dev.cluster import ClusterError
 
     try:
         if args.action == "build":
@@ -71,13 +93,32 @@ def run(args: argparse.Namespace) -> int:
             return _env(state_dir)
         return _status(state_dir)
     except (BuildError, ClusterError) as err:
-        print(f"kvpool dev-cluster {args.action}: {err}", file=sys.stderr)
+        print(f"kvpool-dev cluster {args.action}: {err}", file=sys.stderr)
         return 1
 
 
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = sub.add_parser(
+        "serve",
+        help="helm install, the operator, agents for the pool pods; until SIGTERM (prints "
+        'one JSON line {"ready": true, ...} when up)',
+    )
+    p.add_argument("--cluster-dir", type=Path, required=True, help="the cluster's state dir")
+    p.add_argument("--namespace", default="default", help="namespace of the pools")
+    p.add_argument("--workdir", type=Path, required=True, help="logs, kubeconfig, pod files")
+    p.add_argument("--timer-interval", type=float, default=2.0, help="operator timer (s)")
+
+
+def run_stack(args: argparse.Namespace) -> int:
+    from kvpool_dev.stack import serve
+
+    return serve(args.cluster_dir, args.namespace, args.workdir, args.timer_interval)
+
+
 def _up(args: argparse.Namespace, state_dir: Path) -> int:
-    from kvpool_operator.devcluster.build import ensure_built
-    from kvpool_operator.devcluster.cluster import ClusterConfig, DevCluster, GpuNodeSpec
+    from kvpool_dev.build import ensure_built
+    from kvpool_dev.cluster import ClusterConfig, DevCluster, GpuNodeSpec
 
     layout = ensure_built()
     nodes = tuple(
@@ -94,7 +135,7 @@ def _up(args: argparse.Namespace, state_dir: Path) -> int:
     print(f"# dev cluster {args.name} is up: {cluster.server}", file=sys.stderr)
     _print_env(cluster.env())
     if not args.foreground:
-        print(f"# stop it with: kvpool dev-cluster down --dir {state_dir}", file=sys.stderr)
+        print(f"# stop it with: kvpool-dev cluster down --dir {state_dir}", file=sys.stderr)
         return 0
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -105,7 +146,7 @@ def _up(args: argparse.Namespace, state_dir: Path) -> int:
 
 
 def _down(state_dir: Path, purge: bool) -> int:
-    from kvpool_operator.devcluster.cluster import ClusterState, stop_processes
+    from kvpool_dev.cluster import ClusterState, stop_processes
 
     state = ClusterState.load(state_dir)
     stopped = stop_processes(state)
@@ -123,14 +164,14 @@ def _print_env(env: dict[str, str]) -> None:
 
 
 def _env(state_dir: Path) -> int:
-    from kvpool_operator.devcluster.cluster import DevCluster
+    from kvpool_dev.cluster import DevCluster
 
     _print_env(DevCluster.attach(state_dir).env())
     return 0
 
 
 def _status(state_dir: Path) -> int:
-    from kvpool_operator.devcluster.cluster import ClusterState, process_alive
+    from kvpool_dev.cluster import ClusterState, process_alive
 
     state = ClusterState.load(state_dir)
     report = {
@@ -147,11 +188,11 @@ def _status(state_dir: Path) -> int:
     return 0 if state.pids and all(process_alive(state, n) for n in state.pids) else 3
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvpool_operator.commands.devcluster``: the same command without the agent CLI."""
-    parser = argparse.ArgumentParser(prog="kvpool dev-cluster", description=HELP)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "cluster":
+        return run_cluster(args)
+    return run_stack(args)
 
 
 if __name__ == "__main__":

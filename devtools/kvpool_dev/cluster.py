@@ -30,8 +30,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, cast
 
-from kvpool_operator.devcluster import certs
-from kvpool_operator.devcluster.build import BuildLayout
+from kvpool_dev import certs
+from kvpool_dev.build import BuildLayout
 
 SERVICE_CIDR = "10.96.0.0/24"
 SERVICE_IP = "10.96.0.1"
@@ -233,7 +233,7 @@ class DevCluster:
     """A running (or about to run) loopback control plane.
 
     Use as a context manager, or call ``start()``/``stop()``; ``DevCluster.attach(dir)`` gives
-    a handle on a cluster that ``kvpool dev-cluster up`` started earlier.
+    a handle on a cluster that ``kvpool-dev cluster up`` started earlier.
     """
 
     def __init__(self, config: ClusterConfig, layout: BuildLayout) -> None:
@@ -298,7 +298,7 @@ class DevCluster:
         """
         if not self.layout.is_built():
             raise ClusterError(
-                f"binaries missing in {self.layout.bin_dir}; run `kvpool dev-cluster build`"
+                f"binaries missing in {self.layout.bin_dir}; run `kvpool-dev cluster build`"
             )
         if (self.state_dir / "state.json").is_file():
             old = ClusterState.load(self.state_dir)
@@ -512,7 +512,7 @@ class DevCluster:
 
     def _start_kwok(self) -> None:
         st = self._state()
-        stages = resources.files("kvpool_operator.devcluster").joinpath("kwok-stages.yaml")
+        stages = resources.files("kvpool_dev").joinpath("kwok-stages.yaml")
         stages_path = self.state_dir / "kwok-stages.yaml"
         stages_path.write_text(stages.read_text())
         self._spawn(

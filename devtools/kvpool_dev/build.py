@@ -286,14 +286,3 @@ def prune_go_caches(layout: BuildLayout) -> None:
         if path.is_dir() and not path.is_symlink():
             path.chmod(0o755)
     shutil.rmtree(go, ignore_errors=True)
-
-
-def main() -> int:
-    """``python -m kvpool_operator.devcluster.build``: build and print the bin dir."""
-    layout = ensure_built()
-    print(layout.bin_dir)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool_operator.devcluster.cluster import set_parent_death_signal
+from kvpool_dev.cluster import set_parent_death_signal
 
 
 @dataclass(frozen=True)

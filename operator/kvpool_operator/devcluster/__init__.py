@@ -1,1 +1,0 @@
-"""A local Kubernetes control plane on loopback for tests and by hand (``kvpool dev-cluster``)."""
