@@ -241,7 +241,12 @@ class EventsConfig(_Model):
         "unset disables it.",
     )
     topic: str = Field(
-        "kv-events", max_length=256, description="Topic frame of every published message."
+        "kv@{pod}@{model}",
+        min_length=1,
+        max_length=256,
+        description="Topic frame of every published message: {pod} is the pod's address "
+        "($POD_IP, else $POD_NAME, else $HOSTNAME), {model} is model.name. The default is the "
+        "kv@<pod>@<model> topic llm-d's KV indexer reads the pod and model from.",
     )
     replay_buffer: int = Field(
         10_000, ge=1, le=1_000_000, description="Published batches kept for replay."

@@ -1,4 +1,7 @@
-"""KV events: vLLM's wire format over ZMQ, sequence numbers, replay, last-copy removal."""
+"""KV events: vLLM's wire format over ZMQ, sequence numbers, replay, tier moves, removals.
+
+The byte-for-byte checks against vLLM's own classes and llm-d's decoder are in tests/events.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +16,108 @@ import zmq.asyncio
 
 from kvpool_agent.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated
 from kvpool_agent.server import AgentService, create_app
-from kvpool_agent.server.events import END_OF_REPLAY, WireEncoder, decode_batch
+from kvpool_agent.server.events import (
+    END_OF_REPLAY,
+    EventPublisher,
+    WireEncoder,
+    decode_batch,
+    positional,
+    resolve_topic,
+)
 
 from .conftest import TPB, small_config
 
 pytestmark = pytest.mark.asyncio
 
 
-async def test_wire_encoding_follows_vllm_and_removes_only_the_last_copy() -> None:
+def stored(key: int, parent: int | None, tokens: list[int], medium: str) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": [key],
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
+
+
+def removed(key: int, medium: str) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [key], "medium": medium}
+
+
+async def test_wire_encoding_follows_vllm_and_moves_blocks_between_mediums() -> None:
     enc = WireEncoder(block_size=4, primary_medium="GPU")
-    assert enc.encode(AllBlocksCleared()) == ["AllBlocksCleared"]
-    stored = enc.encode(BlockStored(11, None, (1, 2, 3, 4), "primary", 35))
-    assert stored == ["BlockStored", [11], None, [1, 2, 3, 4], 4, None, "GPU"]
-    assert enc.encode(BlockUpdated(11, "primary", 80)) is None  # priority only
-    moved = enc.encode(BlockUpdated(11, "secondary", 80))  # offloaded: a new copy on CPU
-    assert moved == ["BlockStored", [11], None, [1, 2, 3, 4], 4, None, "CPU"]
-    removed = enc.encode(BlockRemoved(11, "secondary", "evicted"))
-    assert removed == ["BlockRemoved", [11], "CPU", "evicted"]
+    assert enc.encode(AllBlocksCleared()) == [{"type": "AllBlocksCleared"}]
+    assert enc.encode(BlockStored(11, None, (1, 2, 3, 4), "primary", 35)) == [
+        stored(11, None, [1, 2, 3, 4], "GPU")
+    ]
+    assert enc.encode(BlockStored(12, 11, (5, 6, 7, 8), "primary", 35)) == [
+        stored(12, 11, [5, 6, 7, 8], "GPU")
+    ]
+    assert enc.encode(BlockUpdated(11, "primary", 80)) == []  # priority only
+    # Offloaded: the GPU copy is gone, a CPU copy exists.
+    assert enc.encode(BlockUpdated(11, "secondary", 80)) == [
+        removed(11, "GPU"),
+        stored(11, None, [1, 2, 3, 4], "CPU"),
+    ]
+    # Onboarded back: the reverse.
+    assert enc.encode(BlockUpdated(11, "primary", 80)) == [
+        removed(11, "CPU"),
+        stored(11, None, [1, 2, 3, 4], "GPU"),
+    ]
+    assert enc.encode(BlockUpdated(12, "secondary", 35))[1] == stored(12, 11, [5, 6, 7, 8], "CPU")
+    # The reason stays off the wire (vLLM has no field for it) and is counted.
+    assert enc.encode(BlockRemoved(12, "secondary", "evicted")) == [removed(12, "CPU")]
+    assert enc.encode(BlockRemoved(11, "primary", "replaced")) == [removed(11, "GPU")]
+    assert enc.removed == {"evicted": 1, "replaced": 1}
+    assert enc.encode(BlockUpdated(11, "secondary", 35)) == []  # no longer known
+
+
+async def test_a_cpu_agents_tier_moves_publish_nothing() -> None:
+    """Its primary and host tiers are both CPU memory: a consumer cannot tell them apart."""
+    enc = WireEncoder(block_size=4, primary_medium="CPU")
+    enc.encode(BlockStored(11, None, (1, 2, 3, 4), "primary", 35))
+    assert enc.encode(BlockUpdated(11, "secondary", 35)) == []
+    assert enc.encode(BlockRemoved(11, "secondary", "evicted")) == [removed(11, "CPU")]
+
+
+async def test_positional_form_is_vllms_field_order() -> None:
+    assert positional(stored(1, None, [1, 2, 3, 4], "GPU")) == [
+        "BlockStored", [1], None, [1, 2, 3, 4], 4, None, "GPU", None
+    ]  # fmt: skip
+    assert positional(removed(1, "CPU")) == ["BlockRemoved", [1], "CPU"]
+    assert positional({"type": "BlockRemoved", "block_hashes": [1], "group_idx": 0}) == [
+        "BlockRemoved", [1], None, 0
+    ]  # fmt: skip
+    assert positional({"type": "AllBlocksCleared"}) == ["AllBlocksCleared"]
+
+
+async def test_topic_names_the_pod_and_the_model() -> None:
+    env = {"POD_IP": "10.1.2.3", "POD_NAME": "pool-0", "HOSTNAME": "h"}
+    assert resolve_topic("kv@{pod}@{model}", "Qwen/Qwen3-8B", env) == "kv@10.1.2.3@Qwen/Qwen3-8B"
+    assert resolve_topic("kv@{pod}@{model}", "m", {"POD_NAME": "pool-0"}) == "kv@pool-0@m"
+    assert resolve_topic("kv@{pod}@{model}", "m", {"HOSTNAME": "h"}) == "kv@h@m"
+    assert resolve_topic("my-topic", "m", env) == "my-topic"
+    pub = EventPublisher(
+        WireEncoder(4, "CPU"),
+        endpoint=None,
+        replay_endpoint=None,
+        topic="kv@x@{model}",
+        replay_buffer=4,
+        model="llama",
+    )
+    assert pub.topic == b"kv@x@llama"
 
 
 async def test_events_are_published_numbered_and_replayed() -> None:
     cfg = small_config(
-        events={"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"},
+        events={
+            "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*",
+            "topic": "kv@pod-a@model-a",
+        },
         kv_cache_config={"tokens_per_block": TPB, "host_cache_size": 8 * 1024},
     )
     svc = AgentService(cfg)
@@ -55,25 +138,39 @@ async def test_events_are_published_numbered_and_replayed() -> None:
             seq = (await c.post("/v1/sequences", json={"tokens": list(range(9))})).json()
             await c.delete(f"/v1/sequences/{seq['seq_id']}")
             topic, seq_bytes, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
-            assert topic == b"kv-events"
+            assert topic == b"kv@pod-a@model-a"
             number = int.from_bytes(seq_bytes, "big")
             assert number == 1
+            raw = msgpack.unpackb(payload)
+            assert len(raw) == 3 and raw[2] == 0  # [ts, events, data_parallel_rank]
+            assert [e["type"] for e in raw[1]] == ["BlockStored", "BlockStored"]
             _, events = decode_batch(payload)
             assert [e[0] for e in events] == ["BlockStored", "BlockStored"]
             assert events[1][2] == events[0][1][0]  # chained to its parent
             assert events[0][6] == "CPU"  # a CPU agent's primary tier
 
+            # vLLM's replay: [b"", start] in; [b"", topic, seq, payload] per batch, then
+            # [b"", b"", -1, b""].
             await replay.send_multipart([b"", (0).to_bytes(8, "big")])
             got: list[tuple[int, Any]] = []
             while True:
-                empty, seq_b, body = await asyncio.wait_for(replay.recv_multipart(), 5)
-                assert empty == b""
-                if seq_b == END_OF_REPLAY:
+                frames = await asyncio.wait_for(replay.recv_multipart(), 5)
+                assert len(frames) == 4 and frames[0] == b""
+                if frames[2] == END_OF_REPLAY:
+                    assert frames[1] == b"" and frames[3] == b""
                     break
-                got.append((int.from_bytes(seq_b, "big"), msgpack.unpackb(body)))
+                assert frames[1] == b"kv@pod-a@model-a"
+                got.append((int.from_bytes(frames[2], "big"), msgpack.unpackb(frames[3])))
             assert [n for n, _ in got] == [0, 1]
-            assert got[0][1][1] == [["AllBlocksCleared"]]
+            assert got[0][1][1] == [{"type": "AllBlocksCleared"}]
             assert got[1][1] == msgpack.unpackb(payload)
+
+            # A request of another shape gets no answer (as from vLLM); the socket still
+            # serves the next one.
+            await replay.send_multipart([b"", b"", (1).to_bytes(8, "big")])
+            await replay.send_multipart([b"", (1).to_bytes(8, "big")])
+            frames = await asyncio.wait_for(replay.recv_multipart(), 5)
+            assert int.from_bytes(frames[2], "big") == 1
 
             http = (await c.get("/v1/events", params={"start_seq": 1})).json()
             assert [b["seq"] for b in http] == [1]
@@ -85,7 +182,7 @@ async def test_events_are_published_numbered_and_replayed() -> None:
         await svc.stop()
 
 
-async def test_evictions_remove_blocks_with_a_reason(
+async def test_evictions_remove_blocks_and_count_the_reason(
     client: httpx.AsyncClient, service: AgentService
 ) -> None:
     for base in range(0, 20 * 64 * TPB, 64 * TPB):  # more distinct prefixes than the pool holds
@@ -96,9 +193,14 @@ async def test_evictions_remove_blocks_with_a_reason(
     batches = (await client.get("/v1/events")).json()
     seqs = [b["seq"] for b in batches]
     assert seqs == list(range(len(seqs)))
-    removed = [e for b in batches for e in b["events"] if e[0] == "BlockRemoved"]
-    stored = {e[1][0] for b in batches for e in b["events"] if e[0] == "BlockStored"}
-    assert removed and all(e[3] == "evicted" for e in removed)
-    assert {e[1][0] for e in removed} <= stored
-    live = stored - {e[1][0] for e in removed}
+    gone = [e for b in batches for e in b["events"] if e[0] == "BlockRemoved"]
+    stored_keys = {e[1][0] for b in batches for e in b["events"] if e[0] == "BlockStored"}
+    assert gone and all(e == ["BlockRemoved", e[1], "CPU"] for e in gone)
+    assert service.publisher.encoder.removed == {"evicted": len(gone)}
+    assert {e[1][0] for e in gone} <= stored_keys
+    live = stored_keys - {e[1][0] for e in gone}
     assert len(live) == service.engine.num_nodes
+    metrics = (await client.get("/metrics")).text
+    assert f'kvpool_kv_events_blocks_removed_total{{reason="evicted"}} {float(len(gone))}' in (
+        metrics
+    )

@@ -1,23 +1,41 @@
-"""KV events on the wire: vLLM's format, published over ZMQ with sequence numbers and replay.
+"""KV events on the wire: byte for byte what vLLM's publisher sends, over ZMQ with sequence
+numbers and vLLM's replay protocol.
 
-What consumers (llm-d's KV indexer, Dynamo's KV router, AIBrix's gateway) decode:
+What consumers (llm-d's KV indexer, Dynamo's KV router, vLLM's own ``KVEventBatch`` decoder)
+read, as vLLM 0.32 writes it (``vllm/distributed/kv_events.py``):
 
-* PUB socket, multipart ``[topic, seq (8 bytes, big-endian), payload]``;
-* ``payload`` = msgpack ``[ts, [event, ...]]`` (vLLM's ``EventBatch``, array-like);
-* events are tagged arrays:
-  ``["BlockStored", [hash], parent_hash | None, [token ids], block_size, lora_id, medium]``,
-  ``["BlockRemoved", [hash], medium, reason]``, ``["AllBlocksCleared"]``;
-  ``medium`` is ``"GPU"`` or ``"CPU"`` (where the copy lives). ``reason`` (``evicted``,
-  ``replaced``, ``cleared``, ``pruned``) is a kvpool extension in the trailing position, which
-  array-like decoders that do not know it ignore.
-* ROUTER replay socket: a DEALER client sends ``[b"", start_seq (8 bytes, big-endian)]`` and
-  gets one ``[b"", seq, payload]`` message per buffered batch from that number on (at most
-  ``max_replay_batches`` per request: ask again from the next number), then
-  ``[b"", -1 (8 bytes, signed), b""]`` (without the empty frame in, none comes back).
+* PUB socket, multipart ``[topic, seq (8 bytes, big-endian), payload]``. The topic is
+  ``events.topic`` with ``{pod}`` and ``{model}`` filled in; the default ``kv@{pod}@{model}``
+  is the ``kv@<pod>@<model>`` llm-d's indexer takes the pod and model of every block from.
+* ``payload`` is ``msgspec.msgpack.Encoder().encode(KVEventBatch(...))``: the batch is an
+  array ``[ts, [event, ...], data_parallel_rank]`` (``EventBatch`` is ``array_like``; vLLM's
+  publisher fills in its rank, 0 without data parallelism, and so does the agent); each event
+  is a map tagged by ``type`` (``KVCacheEvent`` is ``tag=True``, not ``array_like``), its
+  fields in vLLM's declaration order, those with a default left out when at it
+  (``omit_defaults``), those without one always present::
 
-The engine reports per-node tier moves as ``BlockUpdated``; on the wire a move publishes
-``BlockStored`` with the new medium, and ``BlockRemoved`` is only sent once the last copy of
-the block is gone, so a consumer never forgets a block the agent still holds.
+    {"type": "BlockStored", "block_hashes": [hash], "parent_block_hash": hash | None,
+     "token_ids": [...], "block_size": n, "lora_id": None, "medium": m, "lora_name": None}
+    {"type": "BlockRemoved", "block_hashes": [hash], "medium": m}
+    {"type": "AllBlocksCleared"}
+
+  ``medium`` is where the copy lives: ``"GPU"`` (a CUDA primary tier) or ``"CPU"`` (the host
+  tier, or the primary tier of a CPU agent). Why a block went (``evicted``, ``replaced``,
+  ``cleared``, ``pruned``) has no field in vLLM's events, so it stays off the wire: the agent
+  counts removals by reason (``kvpool_kv_events_blocks_removed_total{reason}``).
+* ROUTER replay socket, vLLM's protocol: a DEALER sends ``[b"", start_seq (8 bytes,
+  big-endian)]`` (the ROUTER sees ``[identity, b"", start_seq]``, nothing else is answered)
+  and gets ``[b"", topic, seq, payload]`` per buffered batch from that number on, then the end
+  marker ``[b"", b"", -1 (8 bytes, signed), b""]``. Unlike vLLM, one request gets at most
+  ``max_replay_batches`` batches (ask again from the next number): a request cannot make the
+  agent send its whole buffer.
+
+The engine reports a block changing tier as ``BlockUpdated``. On the wire that is a
+``BlockRemoved`` with the medium it left, then a ``BlockStored`` with the medium it entered
+(an offload: primary to host; an onboard: the reverse), so an indexer that keys blocks by
+medium never keeps routing to a copy that is gone; a move between tiers of the same medium (a
+CPU agent's primary and host tiers) publishes nothing. The engine reports a block once its
+last copy is gone as ``BlockRemoved``, with the medium of that copy.
 """
 
 from __future__ import annotations
@@ -26,8 +44,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import socket
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +67,54 @@ from kvpool_agent.cache.events import (
 log = logging.getLogger("kvpool.agent.events")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+"""vLLM's ``ZmqEventPublisher.END_SEQ``: the sequence frame of the end-of-replay marker."""
+
+DATA_PARALLEL_RANK = 0
+"""The batch's ``data_parallel_rank``: vLLM's publisher writes its rank, 0 without data
+parallelism; an agent is one cache, rank 0."""
+
+DEFAULT_TOPIC = "kv@{pod}@{model}"
+"""llm-d's topic: ``{pod}`` the pod's address, ``{model}`` the served model name."""
+
+POD_ENV = ("POD_IP", "POD_NAME", "HOSTNAME")
+"""Where ``{pod}`` comes from, first set wins (the operator sets all three): llm-d's indexer
+identifies a pod by its address, as vLLM deployments do with ``kv@${POD_IP}@${MODEL}``."""
+
+WIRE_FIELDS: dict[str, tuple[tuple[str, ...], int]] = {
+    "BlockStored": (
+        (
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
+            "kv_cache_spec_sliding_window",
+            "locality",
+            "ownership",
+            "session_id",
+        ),
+        7,
+    ),
+    "BlockRemoved": (("block_hashes", "medium", "group_idx", "locality", "ownership"), 2),
+    "AllBlocksCleared": ((), 0),
+}
+"""vLLM 0.32's event fields in declaration order, and how many come first without a default
+(always encoded); the rest are encoded only when set (the agent sets none of them)."""
+
+
+def resolve_topic(
+    template: str, model: str | None, environ: Mapping[str, str] | None = None
+) -> str:
+    """``template`` with ``{pod}`` (``$POD_IP``, else ``$POD_NAME``, else ``$HOSTNAME``, else
+    the host name) and ``{model}`` (``model``, empty when unset) filled in."""
+    env = os.environ if environ is None else environ
+    pod = next((env[name] for name in POD_ENV if env.get(name)), None) or socket.gethostname()
+    return template.replace("{pod}", pod).replace("{model}", model or "")
 
 
 @dataclass
@@ -62,31 +131,59 @@ class WireEncoder:
         self.block_size = block_size
         self.mediums = {"primary": primary_medium, "secondary": "CPU"}
         self._known: dict[int, _Known] = {}
+        self.removed: Counter[str] = Counter()
+        """Blocks whose last copy went, by reason (the wire has no field for it)."""
 
-    def encode(self, event: KVEvent) -> list[Any] | None:
+    def encode(self, event: KVEvent) -> list[dict[str, Any]]:
+        """The wire events of one engine event (none, one, or two for a tier move)."""
         if isinstance(event, BlockStored):
             medium = self.mediums[event.tier]
             tokens = list(event.token_ids)
             self._known[event.key] = _Known(event.parent_key, tokens, medium)
-            return self._stored(event.key, event.parent_key, tokens, medium)
+            return [self._stored(event.key, event.parent_key, tokens, medium)]
         if isinstance(event, BlockUpdated):
             known = self._known.get(event.key)
             medium = self.mediums[event.tier]
             if known is None or known.medium == medium:
-                return None  # a priority change: the wire format has no event for it
-            known.medium = medium
-            return self._stored(event.key, known.parent, known.tokens, medium)
+                return []  # a priority change, or a move a consumer cannot see
+            left, known.medium = known.medium, medium
+            return [
+                self._removed(event.key, left),
+                self._stored(event.key, known.parent, known.tokens, medium),
+            ]
         if isinstance(event, BlockRemoved):
             gone = self._known.pop(event.key, None)
+            self.removed[event.reason] += 1
             medium = gone.medium if gone is not None else self.mediums[event.tier]
-            return ["BlockRemoved", [event.key], medium, event.reason]
+            return [self._removed(event.key, medium)]
         if isinstance(event, AllBlocksCleared):
             self._known.clear()
-            return ["AllBlocksCleared"]
+            return [{"type": "AllBlocksCleared"}]
         raise TypeError(f"unknown KV event {event!r}")
 
-    def _stored(self, key: int, parent: int | None, tokens: list[int], medium: str) -> list[Any]:
-        return ["BlockStored", [key], parent, tokens, self.block_size, None, medium]
+    def _stored(
+        self, key: int, parent: int | None, tokens: list[int], medium: str
+    ) -> dict[str, Any]:
+        return {
+            "type": "BlockStored",
+            "block_hashes": [key],
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+        }
+
+    @staticmethod
+    def _removed(key: int, medium: str) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": [key], "medium": medium}
+
+
+def encode_batch(ts: float, events: list[dict[str, Any]], rank: int = DATA_PARALLEL_RANK) -> bytes:
+    """What ``msgspec.msgpack.Encoder().encode(KVEventBatch(ts, events, rank))`` writes (the
+    maps' keys in vLLM's field order, floats as float64, ints in their shortest form)."""
+    return msgpack.packb([float(ts), events, rank], use_bin_type=True)
 
 
 class EventPublisher:
@@ -101,11 +198,20 @@ class EventPublisher:
         topic: str,
         replay_buffer: int,
         max_replay_batches: int = 1000,
+        model: str | None = None,
+        data_parallel_rank: int = DATA_PARALLEL_RANK,
     ) -> None:
         self.encoder = encoder
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self.topic = topic.encode()
+        if "{model}" in topic and not model:
+            log.warning(
+                "events: model.name is unset, so the topic %r names no model: llm-d's indexer "
+                "files this agent's blocks under an empty model name",
+                topic,
+            )
+        self.topic = resolve_topic(topic, model).encode()
+        self.data_parallel_rank = data_parallel_rank
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
         self.max_replay_batches = max_replay_batches
         self.next_seq = 0
@@ -155,12 +261,12 @@ class EventPublisher:
 
     def publish(self, events: list[KVEvent]) -> int | None:
         """Encode and publish one batch; returns its sequence number (None if nothing to send)."""
-        wire = [w for e in events if (w := self.encoder.encode(e)) is not None]
+        wire = [w for e in events for w in self.encoder.encode(e)]
         if not wire:
             return None
         seq = self.next_seq
         self.next_seq += 1
-        payload = msgpack.packb([time.time(), wire], use_bin_type=True)
+        payload = encode_batch(time.time(), wire, self.data_parallel_rank)
         self.buffer.append((seq, payload))
         self.published_events += len(wire)
         if self._pub is not None:
@@ -181,26 +287,39 @@ class EventPublisher:
         return list(itertools.islice(self.buffer, skip, skip + count))
 
     async def _serve_replay(self) -> None:
+        """vLLM's ``ZmqEventPublisher._service_replay``: ``[identity, b"", start_seq]`` in,
+        ``[identity, b"", topic, seq, payload]`` per batch and the end marker out."""
         router = self._router
         assert router is not None
         while True:
             frames = await router.recv_multipart()
-            identity, rest = frames[0], frames[1:]
-            envelope = [identity]
-            if rest and rest[0] == b"":
-                envelope.append(b"")
-                rest = rest[1:]
-            if not rest or len(rest[0]) != 8:
-                log.warning("replay: malformed request (expected an 8-byte start sequence)")
-                await router.send_multipart([*envelope, END_OF_REPLAY, b""])
+            if len(frames) != 3:
+                log.warning("replay: ignored a request of %d frames (expected 3)", len(frames))
                 continue
-            start = int.from_bytes(rest[0], "big")
+            identity, _, start_bytes = frames
+            start = int.from_bytes(start_bytes, "big")
             for seq, payload in self.replay(start):
-                await router.send_multipart([*envelope, seq.to_bytes(8, "big"), payload])
-            await router.send_multipart([*envelope, END_OF_REPLAY, b""])
+                await router.send_multipart(
+                    [identity, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                )
+            await router.send_multipart([identity, b"", b"", END_OF_REPLAY, b""])
+
+
+def positional(event: Any) -> list[Any]:
+    """An event as ``[type, field, ...]`` in vLLM's field order (its former ``array_like``
+    layout, which llm-d's decoder also normalizes to), trailing unset defaults left out."""
+    if isinstance(event, list):
+        return event
+    tag = event["type"]
+    fields, required = WIRE_FIELDS.get(tag, ((), 0))
+    values = [event.get(name) for name in fields]
+    while len(values) > required and values[-1] is None:
+        values.pop()
+    return [tag, *values]
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[list[Any]]]:
-    """The ``(ts, events)`` of a published payload (what a consumer does; used in tests/docs)."""
+    """The ``(ts, events)`` of a published payload, each event ``positional`` (what
+    ``GET /v1/events`` serves; the tests' decoder)."""
     ts, events, *_ = msgpack.unpackb(payload, raw=False)
-    return ts, events
+    return ts, [positional(e) for e in events]

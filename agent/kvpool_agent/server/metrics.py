@@ -113,6 +113,15 @@ class CacheCollector(Collector):
             "KV events the engine's bounded queue dropped.",
             engine.events.dropped,
         )
+        removed = CounterMetricFamily(
+            "kvpool_kv_events_blocks_removed",
+            "Blocks the KV events reported gone (their last copy), by reason (evicted, "
+            "replaced, cleared, pruned): vLLM's BlockRemoved has no field for it.",
+            labels=["reason"],
+        )
+        for reason, value in sorted(svc.publisher.encoder.removed.items()):
+            removed.add_metric([reason], value)
+        yield removed
         reloads = CounterMetricFamily(
             "kvpool_config_reloads", "Config file changes seen, by outcome.", labels=["result"]
         )

@@ -186,6 +186,7 @@ class AgentService:
             endpoint=_at_host(ev.endpoint, host),
             replay_endpoint=_at_host(ev.replay_endpoint, host),
             topic=ev.topic,
+            model=config.model.name,
             replay_buffer=ev.replay_buffer,
             max_replay_batches=config.limits.max_replay_batches,
         )
