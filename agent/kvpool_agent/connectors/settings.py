@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -141,23 +142,34 @@ class ConnectorSettings(BaseModel):
 
 
 class Discovery:
-    """The pool's replicas, re-resolved at most every ``refresh_s`` seconds."""
+    """The pool's replicas, re-resolved every ``refresh_s`` seconds: the first time inline,
+    later on a background thread, so that a slow DNS never stalls the engine's scheduler."""
 
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self._replicas: list[str] = list(settings.replicas or [])
-        self._resolved_at = -float("inf")
+        self._resolved_at: float | None = None
+        self._refreshing = threading.Lock()
 
     def replicas(self) -> list[str]:
         """``HOST:PORT`` of every replica (stable names; empty when none resolves)."""
         s = self.settings
         if s.pool is None:
             return self._replicas
-        now = time.monotonic()
-        if now - self._resolved_at >= s.refresh_s:
-            self._resolved_at = now
-            self._replicas = self._resolve()
+        if self._resolved_at is None:
+            self._refresh()
+        elif time.monotonic() - self._resolved_at >= s.refresh_s and not self._refreshing.locked():
+            threading.Thread(target=self._refresh, name="kvpool-discovery", daemon=True).start()
         return self._replicas
+
+    def _refresh(self) -> None:
+        if not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            self._replicas = self._resolve()
+            self._resolved_at = time.monotonic()
+        finally:
+            self._refreshing.release()
 
     def _resolve(self) -> list[str]:
         s = self.settings

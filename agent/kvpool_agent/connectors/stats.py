@@ -35,14 +35,20 @@ class ConnectorStats:
     save_errors: int = 0
     saves_dropped: int = 0
     """Saves not sent because the sender queue was full."""
+    lookup_s: float = 0.0
+    """Seconds the scheduler spent in lookups and leases (it waits for them)."""
+    load_s: float = 0.0
+    """Seconds workers spent loading before forward passes (the engine waits for them)."""
+    copy_out_s: float = 0.0
+    """Seconds workers spent copying blocks to save out of vLLM's pages (the engine waits)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {
                 f.name: getattr(self, f.name)

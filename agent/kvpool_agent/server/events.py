@@ -48,7 +48,7 @@ import os
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,8 +120,22 @@ def resolve_topic(
 @dataclass
 class _Known:
     parent: int | None
+    """The parent's hash on the wire."""
     tokens: list[int]
     medium: str
+    wire: int
+    """This block's hash on the wire: the engine's own for a block stored by engine key."""
+
+
+MAX_PENDING_NAMES = 100_000
+"""Engine-key names waiting for their block's BlockStored (beyond it the oldest are dropped:
+those blocks go out under the agent's own hash)."""
+
+
+def wire_hash(key: bytes) -> int:
+    """An engine key as vLLM's events name the block: the low 64 bits of the hash bytes read
+    big-endian (``maybe_convert_block_hash`` with vLLM's default integer block hashes)."""
+    return int.from_bytes(key, "big") & ((1 << 64) - 1)
 
 
 class WireEncoder:
@@ -133,14 +147,27 @@ class WireEncoder:
         self._known: dict[int, _Known] = {}
         self.removed: Counter[str] = Counter()
         """Blocks whose last copy went, by reason (the wire has no field for it)."""
+        self._names: dict[tuple[int, ...], int] = {}
+
+    def name(self, tokens: Sequence[int], key: bytes) -> None:
+        """The block whose tokens are ``tokens`` (an engine key's synthetic tokens) is about to
+        be stored: publish it under the engine's hash of ``key``, as the engine's own events
+        name it, instead of the agent's hash of the tokens."""
+        if len(self._names) >= MAX_PENDING_NAMES:
+            self._names.pop(next(iter(self._names)))
+        self._names[tuple(tokens)] = wire_hash(key)
 
     def encode(self, event: KVEvent) -> list[dict[str, Any]]:
         """The wire events of one engine event (none, one, or two for a tier move)."""
         if isinstance(event, BlockStored):
             medium = self.mediums[event.tier]
             tokens = list(event.token_ids)
-            self._known[event.key] = _Known(event.parent_key, tokens, medium)
-            return [self._stored(event.key, event.parent_key, tokens, medium)]
+            wire = self._names.pop(tuple(tokens), event.key) if self._names else event.key
+            parent = event.parent_key
+            if parent is not None and (up := self._known.get(parent)) is not None:
+                parent = up.wire
+            self._known[event.key] = _Known(parent, tokens, medium, wire)
+            return [self._stored(wire, parent, tokens, medium)]
         if isinstance(event, BlockUpdated):
             known = self._known.get(event.key)
             medium = self.mediums[event.tier]
@@ -148,14 +175,15 @@ class WireEncoder:
                 return []  # a priority change, or a move a consumer cannot see
             left, known.medium = known.medium, medium
             return [
-                self._removed(event.key, left),
-                self._stored(event.key, known.parent, known.tokens, medium),
+                self._removed(known.wire, left),
+                self._stored(known.wire, known.parent, known.tokens, medium),
             ]
         if isinstance(event, BlockRemoved):
             gone = self._known.pop(event.key, None)
             self.removed[event.reason] += 1
-            medium = gone.medium if gone is not None else self.mediums[event.tier]
-            return [self._removed(event.key, medium)]
+            if gone is None:
+                return [self._removed(event.key, self.mediums[event.tier])]
+            return [self._removed(gone.wire, gone.medium)]
         if isinstance(event, AllBlocksCleared):
             self._known.clear()
             return [{"type": "AllBlocksCleared"}]

@@ -132,6 +132,9 @@ class Store:
     held: tuple[int, ...]
     block_ids: dict[int, list[int]]
     """Per pool, the primary ids of the blocks the store writes (chain blocks resident..)."""
+    names: list[tuple[list[int], bytes]] = field(default_factory=list)
+    """Synthetic tokens and engine key of each block it writes: its KV events name the block
+    by the engine's hash."""
 
 
 @dataclass
@@ -799,7 +802,10 @@ class AgentService:
             for pool, table in enumerate(handle.block_tables):
                 first_block = handle.first_token[pool] // tpb
                 ids[pool] = list(table[resident - first_block : n - first_block])
-            store = Store(self._new_id(), tenant, handle, resident, n, self._held(handle), ids)
+            names = [(tokens[i * tpb : (i + 1) * tpb], chain[i]) for i in range(resident, n)]
+            store = Store(
+                self._new_id(), tenant, handle, resident, n, self._held(handle), ids, names
+            )
             self.stores[store.store_id] = store
             self._account(tenant, (), store.held)
             if salt is not None:
@@ -813,6 +819,8 @@ class AgentService:
 
         def run() -> None:
             self.stores.pop(store.store_id)
+            for tokens, key in store.names:
+                self.publisher.encoder.name(tokens, key)
             self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
 

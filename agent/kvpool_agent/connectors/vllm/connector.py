@@ -216,7 +216,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         # vLLM computes at least the prompt's last token itself.
         chain = [bytes(h) for h in request.block_hashes[: max(0, prompt - 1) // bs]]
         wanted = chain and (self.settings.load or self.settings.save)
+        started = time.perf_counter()
         pool_blocks = self._lookup(chain) if wanted else 0
+        self.stats.add(lookup_s=time.perf_counter() - started)
         self._tracked[request.request_id] = _Tracked(
             request, pool_blocks, num_computed_tokens, saved=pool_blocks
         )
@@ -259,6 +261,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         end = (tracked.local_tokens + num_external_tokens) // bs
         chain = [bytes(h) for h in request.block_hashes[:end]]
         leases: dict[int, Lease | None] = {}
+        started = time.perf_counter()
         client = self._transfer(self.settings.lookup_timeout_s)
         for rank in range(self.world):
             lease = None
@@ -273,6 +276,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             if held < end:
                 self.stats.add(lease_short_blocks=end - max(held, first))
             leases[rank] = lease
+        self.stats.add(lookup_s=time.perf_counter() - started)
         # Whatever fails to load is recomputed and then saved again from where the pool's
         # copy stopped.
         tracked.saved = min(
@@ -410,8 +414,11 @@ class KvpoolConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KvpoolConnectorMetadata):
             return
+        started = time.perf_counter()
         for spec in meta.loads:
             self._load(spec)
+        if meta.loads:
+            self.stats.add(load_s=time.perf_counter() - started)
 
     def _load(self, spec: LoadSpec) -> None:
         lease = spec.leases.get(self._rank)
@@ -459,7 +466,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             if not spec.block_ids or spec.req_id in failed:
                 continue
+            started = time.perf_counter()
             kv = gather(self._views, spec.block_ids)
+            self.stats.add(copy_out_s=time.perf_counter() - started)
             item = (self._ns(self._rank), spec.keys, spec.first, kv)
             try:
                 self._saves.put_nowait(item)

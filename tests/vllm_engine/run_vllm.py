@@ -2,6 +2,7 @@
 
     python run_vllm.py make-model DIR          # a tiny Llama with weights of a real scale
     python run_vllm.py run SPEC.json OUT.json  # phases of prompts through one engine
+    python run_vllm.py serve SPEC.json         # phases as JSON lines on stdin (benchmarks)
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector's
 scheduler and worker halves, and their counters, are reachable between phases. A phase may
@@ -47,7 +48,7 @@ def make_model(out: Path) -> None:
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": 16384,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -111,10 +112,10 @@ def pool_hits_tokens(metrics_url: str) -> float | None:
     )
 
 
-def run(spec_path: Path, out_path: Path) -> None:
-    spec = json.loads(spec_path.read_text())
+def start_engine(spec: dict[str, Any]) -> Any:
+    """An in-process ``LLM`` for ``spec`` (model, connector or None, max_model_len)."""
     sys.path.insert(0, str(HERE))
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
@@ -127,68 +128,107 @@ def run(spec_path: Path, out_path: Path) -> None:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=connector["extra"],
         )
-    started = time.monotonic()
-    llm = LLM(
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=spec["kv_events_endpoint"],
+            topic="kv@vllm@tiny-llama",
+        )
+    return LLM(
         model=spec["model"],
         served_model_name=spec.get("served_model_name", "tiny-llama"),
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="float32",
-        max_model_len=1024,
+        max_model_len=spec.get("max_model_len", 1024),
         block_size=BLOCK_SIZE,
         enable_prefix_caching=True,
         max_num_seqs=8,
         seed=0,
         **kwargs,
     )
-    result: dict[str, Any] = {"startup_s": time.monotonic() - started, "phases": []}
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 4), logprobs=1)
-    for phase in spec["phases"]:
-        scheduler, worker = _connectors(llm) if connector is not None else (None, None)
-        if phase.get("reset"):
-            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
-        fault = phase.get("fault")
-        if fault is not None:
-            from faulty import FaultyConnector
 
-            FaultyConnector.configure(fault, phase.get("fault_args", {}))
-        prompts = [{"prompt_token_ids": ids} for ids in phase["prompts"]]
-        t0 = time.monotonic()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.monotonic() - t0
-        if worker is not None:
-            assert worker.flush(60.0), "the connector's saves did not finish"
-        record = {
-            "name": phase["name"],
-            "elapsed_s": elapsed,
-            "outputs": [
-                {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "logprobs": [
-                        lp[tok].logprob
-                        for tok, lp in zip(
-                            o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True
-                        )
-                    ],
-                    "num_cached_tokens": o.num_cached_tokens,
-                }
-                for o in outputs
-            ],
-        }
-        if spec.get("pool_metrics"):
-            record["pool_hits_tokens"] = pool_hits_tokens(spec["pool_metrics"])
-        if scheduler is not None:
-            record["scheduler_stats"] = scheduler.stats.snapshot()
-        if worker is not None:
-            record["worker_stats"] = worker.stats.snapshot()
-        result["phases"].append(record)
-        out_path.write_text(json.dumps(result))
-    if connector is not None:
+
+def run_phase(llm: Any, spec: dict[str, Any], phase: dict[str, Any]) -> dict[str, Any]:
+    """One ``generate`` of the phase's prompts (after its reset and fault), and what it gave."""
+    from vllm import SamplingParams
+
+    has_connector = spec.get("connector") is not None
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=phase.get("max_tokens", spec.get("max_tokens", 4)),
+        logprobs=1,
+    )
+    scheduler, worker = _connectors(llm) if has_connector else (None, None)
+    if phase.get("reset"):
+        assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+    fault = phase.get("fault")
+    if fault is not None:
         from faulty import FaultyConnector
 
-        FaultyConnector.configure("none", {})
-    out_path.write_text(json.dumps(result))
+        FaultyConnector.configure(fault, phase.get("fault_args", {}))
+    prompts = [{"prompt_token_ids": ids} for ids in phase["prompts"]]
+    t0 = time.monotonic()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.monotonic() - t0
+    if worker is not None:
+        assert worker.flush(60.0), "the connector's saves did not finish"
+    record: dict[str, Any] = {
+        "name": phase["name"],
+        "elapsed_s": elapsed,
+        "outputs": [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [
+                    lp[tok].logprob
+                    for tok, lp in zip(
+                        o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True
+                    )
+                ],
+                "num_cached_tokens": o.num_cached_tokens,
+            }
+            for o in outputs
+        ],
+    }
+    if spec.get("pool_metrics"):
+        record["pool_hits_tokens"] = pool_hits_tokens(spec["pool_metrics"])
+    if scheduler is not None:
+        record["scheduler_stats"] = scheduler.stats.snapshot()
+    if worker is not None:
+        record["worker_stats"] = worker.stats.snapshot()
+    return record
+
+
+def run(spec_path: Path, out_path: Path) -> None:
+    """Every phase of the spec in order; the result document is rewritten after each."""
+    spec = json.loads(spec_path.read_text())
+    started = time.monotonic()
+    llm = start_engine(spec)
+    result: dict[str, Any] = {"startup_s": time.monotonic() - started, "phases": []}
+    for phase in spec["phases"]:
+        result["phases"].append(run_phase(llm, spec, phase))
+        out_path.write_text(json.dumps(result))
     # The engine's process-wide state is torn down by exit; nothing runs after this.
+    os._exit(0)
+
+
+RESULT = "KVPOOL-RESULT "
+
+
+def serve(spec_path: Path) -> None:
+    """Phases read one JSON line at a time from stdin, each answered by a stdout line
+    ``KVPOOL-RESULT <json>`` (a benchmark alternates two engines request by request); an
+    empty line ends it. ``KVPOOL-READY`` is printed once the engine is up."""
+    spec = json.loads(spec_path.read_text())
+    llm = start_engine(spec)
+    print("KVPOOL-READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        print(RESULT + json.dumps(run_phase(llm, spec, json.loads(line))), flush=True)
     os._exit(0)
 
 
@@ -197,5 +237,7 @@ if __name__ == "__main__":
         make_model(Path(sys.argv[2]))
     elif sys.argv[1] == "run":
         run(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[1] == "serve":
+        serve(Path(sys.argv[2]))
     else:
         raise SystemExit(f"unknown command {sys.argv[1]!r}")

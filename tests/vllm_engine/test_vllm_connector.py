@@ -12,12 +12,8 @@ Engines, in order, all against one agent (two tenants, 64 blocks of capacity):
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import socket
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +25,13 @@ import yaml
 
 from kvpool_agent.credentials import token_digest
 
+from .conftest import free_port, run_engine
+
 if TYPE_CHECKING:
     from tests.conftest import AgentProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
-RUNNER = Path(__file__).with_name("run_vllm.py")
 TOKENS = {"a": "vllm-tenant-a-token-0123456789", "b": "vllm-tenant-b-token-0123456789"}
 BLOCK = 32
 SHARED = 4 * BLOCK
@@ -43,12 +39,6 @@ SHARED = 4 * BLOCK
 POOL_BLOCKS = 64
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers x K/V x tokens x kv heads x head dim x fp32
 LOGPROB_TOLERANCE = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -67,23 +57,6 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 P, Q = _prompts()
 Q_HIT_TOKENS = 200 // BLOCK * BLOCK
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    """The ``.venv-vllm`` interpreter, built on demand (hack/vllm-venv.sh is idempotent)."""
-    subprocess.run(["bash", str(REPO / "hack" / "vllm-venv.sh")], check=True, cwd=REPO)
-    venv = Path(os.environ.get("KVPOOL_VLLM_VENV", REPO / ".venv-vllm"))
-    if not venv.is_absolute():
-        venv = REPO / venv
-    return venv / "bin" / "python"
-
-
-@pytest.fixture(scope="module")
-def model_dir(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(vllm_python), str(RUNNER), "make-model", str(out)], check=True)
-    return out
 
 
 @dataclass
@@ -108,7 +81,7 @@ def pool(
     (tmp / "tenants.yaml").write_text(
         yaml.safe_dump({name: token_digest(tok) for name, tok in TOKENS.items()})
     )
-    port, transfer = _free_port(), _free_port()
+    port, transfer = free_port(), free_port()
     doc = {
         "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32"},
         "kv_cache_config": {"tokens_per_block": BLOCK},
@@ -123,32 +96,6 @@ def pool(
     agent = start_agent(config, port, "--port", str(port))
     yield Pool(agent, f"127.0.0.1:{transfer}")
     agent.stop()
-
-
-def run_engine(
-    python: Path, tmp: Path, name: str, spec: dict[str, Any], *, token: str | None = None
-) -> dict[str, Any]:
-    """One vLLM engine process through ``spec``'s phases; its result document."""
-    spec_path, out = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "agent"), str(RUNNER.parent)])
-    env.pop("KVPOOL_TOKEN", None)
-    if token is not None:
-        env["KVPOOL_TOKEN"] = token
-    log = tmp / f"{name}.log"
-    with open(log, "wb") as sink:
-        proc = subprocess.run(
-            [str(python), str(RUNNER), "run", str(spec_path), str(out)],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=600,
-        )
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"vLLM engine {name} failed ({proc.returncode}):\n{log.read_text()}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
 
 
 def connector(pool: Pool, **extra: Any) -> dict[str, Any]:

