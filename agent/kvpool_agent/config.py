@@ -18,6 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from kvpool_agent.cache.eviction.registry import POLICIES
+
 DEFAULT_PRIORITY = 35
 """Priority of a block with no retention policy, and the one an expired priority reverts to."""
 
@@ -27,8 +29,8 @@ MAX_PRIORITY = 100
 KvDtype = Literal["auto", "float16", "bfloat16", "fp8", "int8"]
 ModelDtype = Literal["float16", "bfloat16", "float32"]
 
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "reuse-gap", "mixture")
-"""Names ``KvCacheConfig.eviction_policy`` accepts (``kvpool_agent.cache.eviction`` has them)."""
+EVICTION_POLICIES: tuple[str, ...] = tuple(POLICIES)
+"""Names ``KvCacheConfig.eviction_policy`` accepts: the eviction registry's."""
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1, "int8": 1}
 

@@ -6,7 +6,7 @@ import pytest
 from cache_helpers import FakeClock, make_manager
 
 from kvpool_agent.cache import KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvpool_agent.cache.eviction import EvictionQueue
+from kvpool_agent.cache.eviction.queue import EvictionQueue
 
 
 class Rec:

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from kvpool_agent.cache.sizing import plan_pools
-from kvpool_agent.cli import main
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
+from kvpool_cli import main
 
 
 def test_bytes_per_block_formula() -> None:

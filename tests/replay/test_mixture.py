@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 
 from kvpool_agent import config as config_module
 from kvpool_agent.cache.errors import OutOfBlocksError
-from kvpool_agent.cache.eviction import POLICIES, LRUQueue
-from kvpool_agent.cache.experts import ARCQueue, LRFUQueue
+from kvpool_agent.cache.eviction import POLICIES
+from kvpool_agent.cache.eviction.arc import ARCQueue
+from kvpool_agent.cache.eviction.lrfu import LRFUQueue
+from kvpool_agent.cache.eviction.lru import LRUQueue
+from kvpool_agent.cache.eviction.mixture import ExpertFactory, MixQueue, MixturePolicy
+from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
+from kvpool_agent.cache.eviction.shadow import ShadowCache
 from kvpool_agent.cache.manager import KVCacheManager
-from kvpool_agent.cache.mixture import ExpertFactory, MixQueue, MixturePolicy
-from kvpool_agent.cache.policies import ReuseGapQueue
-from kvpool_agent.cache.shadow import ShadowCache
 from kvpool_agent.config import KvCacheConfig
 from kvpool_agent.replay.runner import REPLAY_MODEL, replay
 from kvpool_agent.traces import Trace, TraceRequest, load_trace

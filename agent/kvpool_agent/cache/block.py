@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from kvpool_agent.config import DEFAULT_PRIORITY
 
+HEADS_FROM = 16
+"""Children from which a node indexes its children's first tokens (``TreeNode.heads``)."""
+
 PRIMARY = 0
 SECONDARY = 1
 TIER_NAMES = ("primary", "secondary")
@@ -25,6 +28,7 @@ class TreeNode:
         "children",
         "depth",
         "expires_at",
+        "heads",
         "hits",
         "key",
         "kids_in_tier",
@@ -55,6 +59,41 @@ class TreeNode:
         self.hits = 0
         self.kids_in_tier = [0, 0]
         """Children whose full-attention block sits in each tier (leaf test for eviction)."""
+        self.heads: dict[int, int] | None = None
+        """First token -> children starting with it, once the node had ``HEADS_FROM``
+        children: a partial match looks there instead of scanning every child."""
+
+    def add_child(self, child: TreeNode) -> None:
+        tokens = child.tokens
+        children = self.children
+        children[tokens] = child
+        heads = self.heads
+        if heads is not None:
+            first = tokens[0]
+            heads[first] = heads.get(first, 0) + 1
+        elif len(children) >= HEADS_FROM:
+            heads = self.heads = {}
+            for key in children:
+                heads[key[0]] = heads.get(key[0], 0) + 1
+
+    def remove_child(self, child: TreeNode) -> None:
+        tokens = child.tokens
+        del self.children[tokens]
+        heads = self.heads
+        if heads is not None:
+            first = tokens[0]
+            left = heads[first] - 1
+            if left:
+                heads[first] = left
+            else:
+                del heads[first]
+
+    def may_extend(self, token: int) -> bool:
+        """Whether some child's tokens start with ``token`` (False: no partial match here)."""
+        heads = self.heads
+        if heads is not None:
+            return token in heads
+        return bool(self.children)
 
     def __repr__(self) -> str:
         return f"TreeNode(key={self.key:#x}, depth={self.depth}, children={len(self.children)})"

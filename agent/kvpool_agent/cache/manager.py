@@ -49,7 +49,7 @@ from kvpool_agent.cache.events import (
     EventQueue,
     RemovalReason,
 )
-from kvpool_agent.cache.eviction import EvictionQueue, effective_priority, new_eviction_queue
+from kvpool_agent.cache.eviction.queue import EvictionQueue, effective_priority, new_eviction_queue
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.sizing import (
     PoolPlan,
@@ -299,10 +299,14 @@ class KVCacheManager:
                 self._pin(block)
                 partial_blocks.append(block)
         take_over = partial is not None and not self.config.copy_on_partial_reuse
+        # Without a host tier no block sits there: skip the per-block tier checks.
+        has_host = any(self._alloc[SECONDARY].capacity)
         # Capacity check before anything irreversible.
         needed = []
         for g in range(self._num_groups):
-            onboard = sum(1 for b in pinned if b.group == g and b.tier == SECONDARY)
+            onboard = (
+                sum(1 for b in pinned if b.group == g and b.tier == SECONDARY) if has_host else 0
+            )
             fresh = nblocks - d - (1 if take_over else 0)
             if take_over and partial_blocks[g].tier == SECONDARY:
                 onboard += 1
@@ -321,13 +325,20 @@ class KVCacheManager:
             for queue in self._observers:
                 queue.observe(keys)
             seq.observed = len(keys)
-        from_host = sum(
-            1 for node in path if any(b is not None and b.tier == SECONDARY for b in node.blocks)
+        from_host = (
+            sum(
+                1
+                for node in path
+                if any(b is not None and b.tier == SECONDARY for b in node.blocks)
+            )
+            if has_host
+            else 0
         )
         # One allocation per group for everything this request needs in the primary tier,
         # so that what it evicts is offloaded in one batched copy.
         fresh_ids = [self._allocate(PRIMARY, g, needed[g]) for g in range(self._num_groups)]
-        self._onboard_path(path, need_from, fresh_ids)
+        if has_host:
+            self._onboard_path(path, need_from, fresh_ids)
         for g in range(self._num_groups):
             seq.held[g] = [None] * need_from[g] + [p.blocks[g] for p in path[need_from[g] :]]
         if partial is not None:
@@ -593,6 +604,8 @@ class KVCacheManager:
 
     def _partial_match(self, parent: TreeNode, rest: list[int]) -> tuple[TreeNode | None, int]:
         """The child sharing the longest leading run of ``rest`` (at least one token)."""
+        if not parent.may_extend(rest[0]):
+            return None, 0  # no child starts with the next token: nothing to scan
         best, best_len = None, 0
         take_over = not self.config.copy_on_partial_reuse
         for child in parent.children.values():
@@ -644,8 +657,8 @@ class KVCacheManager:
         for block_id in taken:
             block = Block(g, PRIMARY, block_id)
             block.ref_count = 1
-            self._pinned[PRIMARY][g] += 1
             out.append(block)
+        self._pinned[PRIMARY][g] += len(taken)
         return out
 
     def _allocate(self, tier: int, g: int, count: int) -> list[int]:
@@ -808,12 +821,13 @@ class KVCacheManager:
             node.blocks[g] = None
         parent = node.parent
         assert parent is not None
-        del parent.children[node.tokens]
+        parent.remove_child(node)
         if tier_of_full is not None and self._full is not None:
             parent.kids_in_tier[tier_of_full] -= 1
             self._recheck(parent, now)
         self.num_nodes -= 1
-        self.events.push(BlockRemoved(node.key, TIER_NAMES[tier_of_full or 0], reason))
+        if self.events.enabled:
+            self.events.push(BlockRemoved(node.key, TIER_NAMES[tier_of_full or 0], reason))
         if reason == "evicted":
             self.ghost.add(node.key)
 
@@ -949,7 +963,7 @@ class KVCacheManager:
             block.node = None
             partial.blocks[g] = None
             seq.held[g].append(block)
-        del parent.children[partial.tokens]
+        parent.remove_child(partial)
         if self._full is not None:
             parent.kids_in_tier[PRIMARY] -= 1
             self._recheck(parent, now)
@@ -992,11 +1006,15 @@ class KVCacheManager:
         self, parent: TreeNode, tokens: tuple[int, ...], seq: _Sequence, j: int, now: float
     ) -> TreeNode:
         node = TreeNode(hash((parent.key, tokens)), tokens, parent, self._num_groups)
-        parent.children[tokens] = node
+        parent.add_child(node)
         self.num_nodes += 1
-        priority, duration = seq.retention.block_priority(
-            j * self.tpb, (j + 1) * self.tpb, seq.num_prompt
-        )
+        retention = seq.retention
+        if retention is DEFAULT_RETENTION:
+            priority, duration = _DEFAULT_BLOCK_PRIORITY
+        else:
+            priority, duration = retention.block_priority(
+                j * self.tpb, (j + 1) * self.tpb, seq.num_prompt
+            )
         node.priority = priority
         node.stored_at = now
         node.expires_at = None if duration is None else now + duration / 1000.0
@@ -1011,15 +1029,16 @@ class KVCacheManager:
             parent.kids_in_tier[PRIMARY] += 1
             self._recheck(parent, now)
         self.ghost.discard(node.key)
-        self.events.push(
-            BlockStored(
-                node.key,
-                parent.key if parent.parent is not None else None,
-                tokens,
-                TIER_NAMES[PRIMARY],
-                priority,
+        if self.events.enabled:
+            self.events.push(
+                BlockStored(
+                    node.key,
+                    parent.key if parent.parent is not None else None,
+                    tokens,
+                    TIER_NAMES[PRIMARY],
+                    priority,
+                )
             )
-        )
         return node
 
     def _join_existing(self, node: TreeNode, seq: _Sequence, j: int, now: float) -> None:
@@ -1057,7 +1076,7 @@ class KVCacheManager:
         tpb = self.tpb
         for j, node in enumerate(seq.nodes):
             priority, duration = policy.block_priority(j * tpb, (j + 1) * tpb, seq.num_prompt)
-            if priority > effective_priority_of(node, now):
+            if priority > effective_priority(node, now):
                 node.priority = priority
                 node.expires_at = None if duration is None else node.stored_at + duration / 1000.0
                 for block in node.blocks:
@@ -1179,11 +1198,10 @@ class KVCacheManager:
 
 # --------------------------------------------------------------------- helpers
 
-
-def effective_priority_of(node: TreeNode, now: float) -> int:
-    if node.expires_at is not None and now >= node.expires_at:
-        return DEFAULT_PRIORITY
-    return node.priority
+_DEFAULT_BLOCK_PRIORITY = (DEFAULT_PRIORITY, DEFAULT_RETENTION.decode_duration_ms)
+"""What ``DEFAULT_RETENTION.block_priority`` gives every block, prompt or decode."""
+assert DEFAULT_RETENTION.decode_retention_priority == DEFAULT_PRIORITY
+assert not DEFAULT_RETENTION.token_range_retention_configs
 
 
 def _tier_name(node: TreeNode) -> str:

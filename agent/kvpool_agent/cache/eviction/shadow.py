@@ -1,7 +1,7 @@
 """A metadata-only prefix cache: what a cache of the same capacity would hold under another
 eviction policy, fed the same requests.
 
-The mixture policy (``kvpool_agent.cache.mixture``) runs a few of these beside the real
+The mixture policy (``mixture.py``) runs a few of these beside the real
 cache and follows whichever has been hitting most. A shadow keeps only keys: no KV, no
 blocks, no priorities, no tiers. Like the real tree it is prefix-closed and evicts only
 leaves, so its hit count for a request is the length of the request's cached prefix, the
@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvpool_agent.cache.eviction import LevelQueue
-from kvpool_agent.config import DEFAULT_PRIORITY
+from kvpool_agent.cache.eviction.base import LevelQueue
+
+SHADOW_LEVEL = 0
+"""The one priority level of a shadow's nodes. A shadow has no priorities, and the level
+queues it runs only ask whether a node is queued (``queue_level >= 0``)."""
 
 
 class ShadowNode:
@@ -33,7 +36,7 @@ class ShadowNode:
         "queue_stamp",
     )
 
-    priority = DEFAULT_PRIORITY
+    priority = SHADOW_LEVEL
     expires_at: float | None = None
 
     def __init__(self, key: int, parent: ShadowNode | None) -> None:
@@ -152,7 +155,7 @@ class ShadowCache:
 
     def _enqueue(self, node: ShadowNode) -> None:
         node.queue_stamp += 1
-        node.queue_level = DEFAULT_PRIORITY
+        node.queue_level = SHADOW_LEVEL
         self._queue.push(node)
 
     def _unqueue(self, node: ShadowNode) -> None:

@@ -3,7 +3,7 @@
 No single online policy wins on every workload: ``reuse-gap`` is best where conversations
 and shared prompts come back on a schedule, an LFU-like order where a small cache must
 hold a stable hot set, ARC where recency and frequency trade places. The mixture runs one
-metadata-only shadow cache per expert policy (``kvpool_agent.cache.shadow``), each of the
+metadata-only shadow cache per expert policy (``shadow.py``), each of the
 real tier's capacity and fed every request, and scores each expert by its own hits. The
 expert with the highest score leads.
 
@@ -26,23 +26,24 @@ evicts a block the leader holds, and becomes a subset of the leader's cache. Aft
 leader changes, the real cache keeps the old leader's blocks until it needs their room,
 which is why the mixture can beat each of its experts.
 
-Priorities and ``duration_ms`` are untouched: ``EvictionQueue`` orders levels and expiry,
-and the mixture only orders blocks within a level. The shadows model one prefix-closed
-tier; for a window group or the host tier (whose shadows get the device and host
+Priorities and ``duration_ms`` are untouched: ``EvictionQueue`` (``queue.py``) orders
+levels and expiry, and the mixture only orders blocks within a level. The shadows model one
+prefix-closed tier; for a window group or the host tier (whose shadows get the device and host
 capacity together) they are a heuristic, not a model, and the follower rule still only
 reorders blocks that are evictable anyway.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
-from kvpool_agent.cache.eviction import POLICIES, Evictable, LevelQueue, SharedPolicy
-from kvpool_agent.cache.experts import ARCQueue, LRFUQueue
-from kvpool_agent.cache.policies import ReuseGapQueue
-from kvpool_agent.cache.shadow import ShadowCache
+from kvpool_agent.cache.eviction.arc import ARCQueue
+from kvpool_agent.cache.eviction.base import Evictable, LevelQueue, SharedPolicy, tree_node
+from kvpool_agent.cache.eviction.heap import LazyHeap
+from kvpool_agent.cache.eviction.lrfu import LRFUQueue
+from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
+from kvpool_agent.cache.eviction.shadow import ShadowCache
 
 ExpertFactory = Callable[[int], LevelQueue]
 """Makes an expert's queue for a shadow of the given capacity."""
@@ -145,20 +146,30 @@ class MixQueue(LevelQueue):
 
     def __init__(self, policy: MixturePolicy) -> None:
         self._policy = policy
-        self._heaps: tuple[list[tuple[int, int, Evictable]], ...] = ([], [])
         self._entries: dict[Evictable, tuple[int, int, int]] = {}
         """Queued block -> (its key, the sequence number of its current heap entry, heap)."""
+        entries = self._entries
+
+        def current(entry: tuple[int, int, Evictable]) -> bool:
+            found = entries.get(entry[2])
+            return found is not None and found[1] == entry[1]
+
+        self._heaps: tuple[LazyHeap[tuple[int, int, Evictable]], ...] = (
+            LazyHeap(current),
+            LazyHeap(current),
+        )
+        """Entries ``(last_used, sequence, block)``: the leader lacks / holds the block."""
         self._order = itertools.count()
 
     def push(self, block: Evictable) -> None:
-        key = _key(block)
+        key: int = tree_node(block).key
         self._place(block, key)
         self._policy.track(key, self, block)
 
     def _place(self, block: Evictable, key: int) -> None:
         heap = 1 if self._policy.leader_holds(key) else 0
         seq = next(self._order)
-        heapq.heappush(self._heaps[heap], (block.last_used, seq, block))
+        self._heaps[heap].push((block.last_used, seq, block))
         self._entries[block] = (key, seq, heap)
 
     def rebucket(self, block: Evictable, key: int) -> None:
@@ -176,15 +187,13 @@ class MixQueue(LevelQueue):
 
     def pop(self) -> Evictable | None:
         self._policy.flush()
-        entries = self._entries
         for heap in self._heaps:
-            while heap:
-                _, seq, block = heapq.heappop(heap)
-                entry = entries.get(block)
-                if entry is not None and entry[1] == seq:
-                    del entries[block]
-                    self._policy.untrack(entry[0], block)
-                    return block
+            entry = heap.pop()
+            if entry is not None:
+                block = entry[2]
+                key = self._entries.pop(block)[0]
+                self._policy.untrack(key, block)
+                return block
         return None
 
     def __len__(self) -> int:
@@ -193,17 +202,4 @@ class MixQueue(LevelQueue):
     def _compact(self) -> None:
         live = len(self._entries)
         for heap in self._heaps:
-            if len(heap) > 64 and len(heap) > 2 * live:
-                heap[:] = [e for e in heap if self._entries.get(e[2], (0, -1))[1] == e[1]]
-                heapq.heapify(heap)
-
-
-def _key(block: Evictable) -> int:
-    node = getattr(block, "node", None)
-    if node is None:
-        raise TypeError(f"block {block.block_id} has no tree node; only stored blocks are queued")
-    key: int = node.key
-    return key
-
-
-POLICIES["mixture"] = MixturePolicy
+            heap.compact(live)

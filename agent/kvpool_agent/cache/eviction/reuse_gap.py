@@ -1,6 +1,6 @@
-"""Eviction policies beyond plain LRU, for blocks of one priority level.
+"""``reuse-gap``: evict the leaf whose chain is expected back last.
 
-``ReuseGapQueue`` ("reuse-gap") estimates how long until each evictable leaf is used again
+``ReuseGapQueue`` estimates how long until each evictable leaf is used again
 and evicts the one expected back last, an online stand-in for Belady's MIN:
 
 - A leaf is judged by its *chain*: the run of single-child blocks above it, up to the first
@@ -42,11 +42,11 @@ after its child was evicted, and keeps its earlier estimate. Time is the engine'
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvpool_agent.cache.eviction import POLICIES, Evictable, LevelQueue
+from kvpool_agent.cache.eviction.base import Evictable, LevelQueue, tree_node
+from kvpool_agent.cache.eviction.heap import LazyHeap, stamp_at
 
 
 class ChainNode(Protocol):
@@ -63,11 +63,9 @@ class ChainNode(Protocol):
     def children(self) -> dict[tuple[int, ...], ChainNode]: ...
 
 
-def _node(block: Evictable) -> ChainNode:
-    node: ChainNode | None = getattr(block, "node", None)
-    if node is None:
-        raise TypeError(f"block {block.block_id} has no tree node; only stored blocks are queued")
-    return node
+Entry = tuple[float, int, int, Evictable]
+"""``(term, stamp, sequence, block)``: the stamp sorts before the sequence number."""
+_CURRENT = stamp_at(1)
 
 
 @dataclass(slots=True)
@@ -108,9 +106,9 @@ class ReuseGapQueue(LevelQueue):
     )
 
     def __init__(self) -> None:
-        # One heap per term of the estimate; entries are (key, stamp, sequence, block).
-        self._by_overdue: list[tuple[float, int, int, Evictable]] = []  # t + m
-        self._by_rate: list[tuple[float, int, int, Evictable]] = []  # -(m shrunk)
+        # One heap per term of the estimate.
+        self._by_overdue: LazyHeap[Entry] = LazyHeap(_CURRENT)  # t + m
+        self._by_rate: LazyHeap[Entry] = LazyHeap(_CURRENT)  # -(m shrunk)
         self._live = 0
         self._seq = 0
         self._estimates: dict[int, tuple[float, float, int]] = {}
@@ -126,7 +124,7 @@ class ReuseGapQueue(LevelQueue):
     # -- LevelQueue
 
     def push(self, block: Evictable) -> None:
-        node = _node(block)
+        node: ChainNode = tree_node(block)
         used = node.last_used
         if used > self._now:
             self._now = used
@@ -138,37 +136,36 @@ class ReuseGapQueue(LevelQueue):
             self._estimates[node.key] = (mean_gap, rate_gap, used)
         stamp = block.queue_stamp
         seq = self._seq = self._seq + 1  # unique: ties never compare blocks
-        heapq.heappush(self._by_overdue, (used + mean_gap, stamp, seq, block))
-        heapq.heappush(self._by_rate, (-rate_gap, stamp, seq, block))
+        self._by_overdue.push((used + mean_gap, stamp, seq, block))
+        self._by_rate.push((-rate_gap, stamp, seq, block))
         self._live += 1
 
     def discard(self, block: Evictable) -> None:
         self._live -= 1
-        if len(self._by_rate) > 64 and len(self._by_rate) > 2 * self._live:
-            for heap in (self._by_overdue, self._by_rate):
-                heap[:] = [e for e in heap if _current(e) and e[3] is not block]
-                heapq.heapify(heap)
+        self._by_overdue.compact(self._live, leaving=block)
+        self._by_rate.compact(self._live, leaving=block)
 
     def pop(self) -> Evictable | None:
         """The block with the latest expected next use: the larger of the two terms'
         maxima, since the estimate of each block is the larger of its two terms."""
         now = self._now
-        best: list[tuple[float, int, int, Evictable]] | None = None
+        best: LazyHeap[Entry] | None = None
         best_value = 0.0
         for heap in (self._by_overdue, self._by_rate):
-            while heap and not _current(heap[0]):
-                heapq.heappop(heap)
-            if not heap:
+            top = heap.peek()
+            if top is None:
                 continue
-            key = heap[0][0]
+            key = top[0]
             value = self.overdue_weight * (now - key) if heap is self._by_overdue else -key
             if best is None or value > best_value:
                 best, best_value = heap, value
         if best is None:
             return None
-        block = heapq.heappop(best)[3]
+        entry = best.pop()
+        assert entry is not None
+        block = entry[3]
         self._live -= 1
-        key = _node(block).key
+        key = tree_node(block).key
         self._estimates.pop(key, None)
         self._head_of.pop(key, None)
         return block
@@ -232,11 +229,3 @@ class ReuseGapQueue(LevelQueue):
         for key, _ in seen[: len(seen) // 2]:
             del self._chains[key]
         self._head_of = {k: v for k, v in self._head_of.items() if k in self._estimates}
-
-
-def _current(entry: tuple[float, int, int, Evictable]) -> bool:
-    block = entry[3]
-    return block.queue_stamp == entry[1] and block.queue_level >= 0
-
-
-POLICIES["reuse-gap"] = ReuseGapQueue
