@@ -63,30 +63,30 @@ class TreeNode:
         """First token -> children starting with it, once the node had ``HEADS_FROM``
         children: a partial match looks there instead of scanning every child."""
 
-    def add_child(self, child: TreeNode) -> None:
-        tokens = child.tokens
-        children = self.children
-        children[tokens] = child
-        heads = self.heads
-        if heads is not None:
-            first = tokens[0]
-            heads[first] = heads.get(first, 0) + 1
-        elif len(children) >= HEADS_FROM:
-            heads = self.heads = {}
-            for key in children:
-                heads[key[0]] = heads.get(key[0], 0) + 1
+    # The tree calls these two only where ``heads`` is (or is due to be) kept, so that a
+    # node with few children costs nothing per stored block.
 
-    def remove_child(self, child: TreeNode) -> None:
-        tokens = child.tokens
-        del self.children[tokens]
+    def head_added(self, tokens: tuple[int, ...]) -> None:
+        """``children[tokens]`` was just added: count it (building ``heads`` if due)."""
         heads = self.heads
-        if heads is not None:
-            first = tokens[0]
-            left = heads[first] - 1
-            if left:
-                heads[first] = left
-            else:
-                del heads[first]
+        if heads is None:
+            heads = self.heads = {}
+            for key in self.children:
+                heads[key[0]] = heads.get(key[0], 0) + 1
+            return
+        first = tokens[0]
+        heads[first] = heads.get(first, 0) + 1
+
+    def head_removed(self, tokens: tuple[int, ...]) -> None:
+        """``children[tokens]`` was just deleted: count it out of ``heads``."""
+        heads = self.heads
+        assert heads is not None
+        first = tokens[0]
+        left = heads[first] - 1
+        if left:
+            heads[first] = left
+        else:
+            del heads[first]
 
     def may_extend(self, token: int) -> bool:
         """Whether some child's tokens start with ``token`` (False: no partial match here)."""

@@ -33,7 +33,7 @@ import torch
 from pydantic import ValidationError
 
 from kvpool_agent.cache.allocator import TierAllocator
-from kvpool_agent.cache.block import PRIMARY, SECONDARY, TIER_NAMES, Block, TreeNode
+from kvpool_agent.cache.block import HEADS_FROM, PRIMARY, SECONDARY, TIER_NAMES, Block, TreeNode
 from kvpool_agent.cache.errors import (
     InvalidRetentionError,
     InvalidTokensError,
@@ -821,7 +821,9 @@ class KVCacheManager:
             node.blocks[g] = None
         parent = node.parent
         assert parent is not None
-        parent.remove_child(node)
+        del parent.children[node.tokens]
+        if parent.heads is not None:
+            parent.head_removed(node.tokens)
         if tier_of_full is not None and self._full is not None:
             parent.kids_in_tier[tier_of_full] -= 1
             self._recheck(parent, now)
@@ -963,7 +965,9 @@ class KVCacheManager:
             block.node = None
             partial.blocks[g] = None
             seq.held[g].append(block)
-        parent.remove_child(partial)
+        del parent.children[partial.tokens]
+        if parent.heads is not None:
+            parent.head_removed(partial.tokens)
         if self._full is not None:
             parent.kids_in_tier[PRIMARY] -= 1
             self._recheck(parent, now)
@@ -1006,7 +1010,10 @@ class KVCacheManager:
         self, parent: TreeNode, tokens: tuple[int, ...], seq: _Sequence, j: int, now: float
     ) -> TreeNode:
         node = TreeNode(hash((parent.key, tokens)), tokens, parent, self._num_groups)
-        parent.add_child(node)
+        children = parent.children
+        children[tokens] = node
+        if parent.heads is not None or len(children) >= HEADS_FROM:
+            parent.head_added(tokens)
         self.num_nodes += 1
         retention = seq.retention
         if retention is DEFAULT_RETENTION:

@@ -56,9 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpool_agent.cache.gc_tuning import tune_gc
     from kvpool_agent.config import ConfigError, KvCacheConfig
     from kvpool_agent.traces import load_trace
 
+    tune_gc()  # a replay builds a tree of up to millions of nodes: default GC would dominate
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be at least 1, got {args.limit}")
     trace = load_trace(args.trace, block_size=args.block_size).head(args.limit)

@@ -7,7 +7,8 @@
   place; ``kvpool_agent.config.EVICTION_POLICIES`` is made from it.
 - ``base.py``: the record the queues order (``Evictable``) and the two kinds of policy: a
   ``LevelQueue`` per priority level, or a ``SharedPolicy`` that watches every request.
-- ``heap.py``: ``LazyHeap``, the heap with lazy removal that every order keeps entries in.
+- ``heap.py``: heaps with lazy removal, as every order keeps its entries: ``LazyHeap`` and
+  the one ``compact``.
 - One file per policy: ``lru.py`` (the reference's), ``reuse_gap.py``, ``mixture.py`` (follows
   the best of its experts, each run in a ``shadow.py`` cache: ``reuse-gap``, ``lrfu.py``,
   ``arc.py``).

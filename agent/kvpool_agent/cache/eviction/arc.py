@@ -8,6 +8,7 @@ queued block's key from ``block_id`` (a shadow node's id is its key).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 
@@ -108,7 +109,7 @@ class ARCQueue(LevelQueue):
         else:
             which, entry = 2, second
         assert entry is not None
-        self._heaps[which].pop()
+        heapq.heappop(self._heaps[which].entries)  # the live top ``_top`` returned
         block = entry[3]
         del self._queued[block]
         key = block.block_id

@@ -35,12 +35,13 @@ reorders blocks that are evictable anyway.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
 from kvpool_agent.cache.eviction.arc import ARCQueue
 from kvpool_agent.cache.eviction.base import Evictable, LevelQueue, SharedPolicy, tree_node
-from kvpool_agent.cache.eviction.heap import LazyHeap
+from kvpool_agent.cache.eviction.heap import compact
 from kvpool_agent.cache.eviction.lrfu import LRFUQueue
 from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
 from kvpool_agent.cache.eviction.shadow import ShadowCache
@@ -146,19 +147,12 @@ class MixQueue(LevelQueue):
 
     def __init__(self, policy: MixturePolicy) -> None:
         self._policy = policy
+        self._heaps: tuple[list[tuple[int, int, Evictable]], ...] = ([], [])
+        """Entries ``(last_used, sequence, block)``: the leader lacks / holds the block. A
+        block moves between the two without a new ``queue_stamp``, so an entry is current
+        while its sequence number is the one ``_entries`` records for the block."""
         self._entries: dict[Evictable, tuple[int, int, int]] = {}
         """Queued block -> (its key, the sequence number of its current heap entry, heap)."""
-        entries = self._entries
-
-        def current(entry: tuple[int, int, Evictable]) -> bool:
-            found = entries.get(entry[2])
-            return found is not None and found[1] == entry[1]
-
-        self._heaps: tuple[LazyHeap[tuple[int, int, Evictable]], ...] = (
-            LazyHeap(current),
-            LazyHeap(current),
-        )
-        """Entries ``(last_used, sequence, block)``: the leader lacks / holds the block."""
         self._order = itertools.count()
 
     def push(self, block: Evictable) -> None:
@@ -169,7 +163,7 @@ class MixQueue(LevelQueue):
     def _place(self, block: Evictable, key: int) -> None:
         heap = 1 if self._policy.leader_holds(key) else 0
         seq = next(self._order)
-        self._heaps[heap].push((block.last_used, seq, block))
+        heapq.heappush(self._heaps[heap], (block.last_used, seq, block))
         self._entries[block] = (key, seq, heap)
 
     def rebucket(self, block: Evictable, key: int) -> None:
@@ -187,19 +181,26 @@ class MixQueue(LevelQueue):
 
     def pop(self) -> Evictable | None:
         self._policy.flush()
+        entries = self._entries
         for heap in self._heaps:
-            entry = heap.pop()
-            if entry is not None:
-                block = entry[2]
-                key = self._entries.pop(block)[0]
-                self._policy.untrack(key, block)
-                return block
+            while heap:
+                _, seq, block = heapq.heappop(heap)
+                entry = entries.get(block)
+                if entry is not None and entry[1] == seq:
+                    del entries[block]
+                    self._policy.untrack(entry[0], block)
+                    return block
         return None
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _compact(self) -> None:
-        live = len(self._entries)
+        entries = self._entries
+        live = len(entries)
         for heap in self._heaps:
-            heap.compact(live)
+            compact(heap, live, lambda e: (entries.get(e[2]) or _GONE)[1] == e[1])
+
+
+_GONE = (0, -1, 0)
+"""Stands in for the record of a block no longer queued (no sequence number is -1)."""

@@ -42,11 +42,12 @@ after its child was evicted, and keeps its earlier estimate. Time is the engine'
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvpool_agent.cache.eviction.base import Evictable, LevelQueue, tree_node
-from kvpool_agent.cache.eviction.heap import LazyHeap, stamp_at
+from kvpool_agent.cache.eviction.heap import LazyHeap
 
 
 class ChainNode(Protocol):
@@ -65,7 +66,6 @@ class ChainNode(Protocol):
 
 Entry = tuple[float, int, int, Evictable]
 """``(term, stamp, sequence, block)``: the stamp sorts before the sequence number."""
-_CURRENT = stamp_at(1)
 
 
 @dataclass(slots=True)
@@ -107,8 +107,8 @@ class ReuseGapQueue(LevelQueue):
 
     def __init__(self) -> None:
         # One heap per term of the estimate.
-        self._by_overdue: LazyHeap[Entry] = LazyHeap(_CURRENT)  # t + m
-        self._by_rate: LazyHeap[Entry] = LazyHeap(_CURRENT)  # -(m shrunk)
+        self._by_overdue: LazyHeap[Entry] = LazyHeap(stamp=1)  # t + m
+        self._by_rate: LazyHeap[Entry] = LazyHeap(stamp=1)  # -(m shrunk)
         self._live = 0
         self._seq = 0
         self._estimates: dict[int, tuple[float, float, int]] = {}
@@ -161,9 +161,7 @@ class ReuseGapQueue(LevelQueue):
                 best, best_value = heap, value
         if best is None:
             return None
-        entry = best.pop()
-        assert entry is not None
-        block = entry[3]
+        block = heapq.heappop(best.entries)[3]  # the live top just peeked
         self._live -= 1
         key = tree_node(block).key
         self._estimates.pop(key, None)
