@@ -38,6 +38,23 @@ class AgentProcess:
             self.proc.kill()
         self.proc.wait()
 
+    def metric(self, sample: str) -> float:
+        """The sum over every label set of one sample of ``/metrics`` (e.g.
+        ``kvpool_leases_expired_total``); a sample the agent does not export fails the test."""
+        return metric_sum(httpx.get(f"{self.url}/metrics", timeout=10).text, sample)
+
+
+def metric_sum(text: str, sample: str) -> float:
+    """The sum of ``sample`` over its label sets in a Prometheus text exposition (0 for a
+    family that has no series yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = [f for f in text_string_to_metric_families(text) if sample.startswith(f.name)]
+    if not families:
+        raise AssertionError(f"{sample} not in /metrics")
+    # a labelled family with no series yet is exported without samples: its sum is 0
+    return float(sum(s.value for f in families for s in f.samples if s.name == sample))
+
 
 AGENT_STARTUP_TIMEOUT = 90.0
 """Importing torch on a loaded 2-core machine is slow."""

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 import torch
 import yaml
@@ -35,25 +34,28 @@ def free_port() -> int:
 
 @dataclass
 class Running:
-    proc: subprocess.Popen[bytes]
-    url: str
+    """The agent process and its transfer port's address."""
+
+    agent: AgentProcess
     address: str
-    log: Path
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.agent.proc
+
+    @property
+    def url(self) -> str:
+        return self.agent.url
+
+    @property
+    def log(self) -> Path:
+        return self.agent.log
 
     def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{name} not in /metrics")
+        return self.agent.metric(name)
 
     def pinned(self) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("kvpool_cache_blocks_pinned{")
-        )
+        return self.agent.metric("kvpool_cache_blocks_pinned")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def agent(
     config.write_text(yaml.safe_dump(doc))
     running = start_agent(config, port, "--port", str(port))
     try:
-        yield Running(running.proc, running.url, f"127.0.0.1:{transfer}", running.log)
+        yield Running(running, f"127.0.0.1:{transfer}")
     finally:
         running.stop()
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 import yaml
 
@@ -65,12 +64,7 @@ class Pool:
     transfer: str
 
     def hits_tokens(self) -> float:
-        text = httpx.get(f"{self.agent.url}/metrics", timeout=10).text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("kvpool_prefix_cache_hits_tokens_total{")
-        )
+        return self.agent.metric("kvpool_prefix_cache_hits_tokens_total")
 
 
 @pytest.fixture(scope="module")
