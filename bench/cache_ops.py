@@ -1,31 +1,38 @@
 """Cost of the cache engine's request path: microseconds per block for lookup + allocate +
-release, 1,000 sequences x 64 blocks, in four cases:
+release, 1,000 sequences x 64 blocks of 16 tokens, in four cases:
 
 - distinct: every block new, the pool large enough (no eviction);
 - shared: every sequence the same 64 blocks (all hits after the first);
 - distinct+evict: every block new, the pool at 10% of them (every allocation evicts);
 - half-shared+evict: 32 leading blocks shared by all, 32 distinct, the pool at 10%.
 
-Each case runs twice: with the tokens already built ("tokens"), and building them from
-trace hash ids inside the loop as ``kvpool replay`` does ("hash ids"). A baseline measured
-in the same run, a minimal prefix cache (a dict of chained block keys with an OrderedDict
-LRU, no pools, no storage), gives the ratio; absolute times on a shared machine mean little.
+Each case runs with the tokens already built ("tokens") and, with ``--hash-ids``, also
+building them from trace hash ids inside the loop as ``kvpool replay`` does. Beside the
+engine (one column per ``--policies`` entry) run, in the same rounds:
 
-    python bench/cache_ops.py [--sequences 1000] [--blocks 64] [--policy NAME] [--out bench/results]
+- ``minimal``: a dict of chained block keys with an OrderedDict LRU (no pools, no storage);
+- ``vllm`` and ``sglang``: the real managers (``bench/baselines.py``), when this Python has
+  them: run it with ``.venv-bench/bin/python`` after ``hack/bench-venv.sh``.
 
-``--policy`` picks the engine's eviction policy (default: the config default); the results
-of a policy other than the default are written as ``cache_ops_<policy>.json``.
+Rounds are interleaved (every runner once per case per round, each the best of
+``--repeat``), and a cell is the median over ``--rounds``: the machine is shared and noisy,
+so compare the ratios, not the absolute figures.
+
+    python bench/cache_ops.py [--sequences 1000] [--blocks 64] [--policies mixture,lru]
+        [--rounds 5] [--repeat 3] [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import baselines  # bench/baselines.py, beside this script
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -63,22 +70,41 @@ def capacity(case: str, n_seq: int, n_blocks: int) -> int:
     return n_seq * n_blocks + 1
 
 
-POLICY = [KvCacheConfig().eviction_policy]
+Runner = Callable[[str, list[list[int]], bool, int], float]
+"""Seconds to serve the sequences: (case, block ids per sequence, tokens built in the loop,
+capacity in blocks)."""
 
 
-def run_engine(case: str, seqs: list[list[int]], from_ids: bool, cap: int) -> float:
-    config = KvCacheConfig(tokens_per_block=TPB, eviction_policy=POLICY[0])
-    mgr = KVCacheManager.with_capacity(MODEL, config, cap)
-    prebuilt = None if from_ids else [to_tokens(ids) for ids in seqs]
-    start = time.perf_counter()
-    for i, ids in enumerate(seqs):
-        tokens = to_tokens(ids) if prebuilt is None else prebuilt[i]
-        h = mgr.open_sequence(tokens, recompute_last_token=False)
-        mgr.release(h.seq_id)
-    return time.perf_counter() - start
+def engine_runner(policy: str) -> Runner:
+    def run(case: str, seqs: list[list[int]], from_ids: bool, cap: int) -> float:
+        config = KvCacheConfig(tokens_per_block=TPB, eviction_policy=policy)
+        mgr = KVCacheManager.with_capacity(MODEL, config, cap)
+        prebuilt = None if from_ids else [to_tokens(ids) for ids in seqs]
+        start = time.perf_counter()
+        for i, ids in enumerate(seqs):
+            tokens = to_tokens(ids) if prebuilt is None else prebuilt[i]
+            h = mgr.open_sequence(tokens, recompute_last_token=False)
+            mgr.release(h.seq_id)
+        return time.perf_counter() - start
+
+    return run
 
 
-def run_baseline(case: str, seqs: list[list[int]], from_ids: bool, cap: int) -> float:
+def baseline_runner(name: str) -> Runner:
+    """Times ``name``'s manager (``bench/baselines.py``) over the same loop as the engine."""
+
+    def run(case: str, seqs: list[list[int]], from_ids: bool, cap: int) -> float:
+        manager = baselines.make(name, TPB, cap, max(map(len, seqs)) * TPB)
+        prebuilt = None if from_ids else [to_tokens(ids) for ids in seqs]
+        start = time.perf_counter()
+        for i, ids in enumerate(seqs):
+            manager.serve(i, to_tokens(ids) if prebuilt is None else prebuilt[i])
+        return time.perf_counter() - start
+
+    return run
+
+
+def run_minimal(case: str, seqs: list[list[int]], from_ids: bool, cap: int) -> float:
     """A minimal prefix cache: chained keys, dict lookup, OrderedDict LRU of leaves-or-not."""
     lru: OrderedDict[int, None] = OrderedDict()
     prebuilt = None if from_ids else [to_tokens(ids) for ids in seqs]
@@ -104,85 +130,110 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3, help="best of N runs per cell")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--repeat", type=int, default=3, help="best of N runs per round")
+    parser.add_argument("--hash-ids", action="store_true", help="also build tokens in the loop")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--default-gc", action="store_true", help="keep CPython's GC thresholds")
-    parser.add_argument("--policy", default=POLICY[0], choices=EVICTION_POLICIES)
+    parser.add_argument(
+        "--policies",
+        default=f"{KvCacheConfig().eviction_policy},lru",
+        help=f"comma-separated engine policies (of {', '.join(EVICTION_POLICIES)})",
+    )
+    parser.add_argument("--stem", default="cache_ops", help="result file name stem")
     args = parser.parse_args()
-    POLICY[0] = args.policy
-    default = args.policy == KvCacheConfig().eviction_policy
-    stem = "cache_ops" if default else f"cache_ops_{args.policy}"
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in EVICTION_POLICIES]
+    if unknown or not policies:
+        parser.error(f"--policies: unknown {unknown}; allowed: {', '.join(EVICTION_POLICIES)}")
     if not args.default_gc:
         tune_gc()
     n_seq, n_blocks = args.sequences, args.blocks
     total_blocks = n_seq * n_blocks
-    rows = []
-    runners: dict[str, Callable[[str, list[list[int]], bool, int], float]] = {
-        "engine": run_engine,
-        "baseline": run_baseline,
-    }
+    missing = {name: why for name, why in baselines.available().items() if why is not None}
+    runners: dict[str, Runner] = {f"kvpool:{p}": engine_runner(p) for p in policies}
+    runners["minimal"] = run_minimal
+    runners.update(
+        {name: baseline_runner(name) for name in baselines.available() if name not in missing}
+    )
+    inputs = (False, True) if args.hash_ids else (False,)
+    cells = [(case, from_ids) for case in CASES for from_ids in inputs]
+    samples: dict[tuple[str, bool, str], list[float]] = {}
     with Progress() as progress:
-        task = progress.add_task("cache ops", total=len(CASES) * 2 * 2 * args.repeat)
-        for case in CASES:
-            seqs = hash_ids(case, n_seq, n_blocks)
-            cap = capacity(case, n_seq, n_blocks)
-            for from_ids in (False, True):
-                row: dict[str, object] = {
-                    "case": case,
-                    "input": "hash ids" if from_ids else "tokens",
-                }
+        task = progress.add_task(
+            "cache ops", total=args.rounds * len(cells) * len(runners) * args.repeat
+        )
+        for _ in range(args.rounds):
+            for case, from_ids in cells:
+                seqs = hash_ids(case, n_seq, n_blocks)
+                cap = capacity(case, n_seq, n_blocks)
                 for name, fn in runners.items():
                     best = float("inf")
                     for _ in range(args.repeat):
                         best = min(best, fn(case, seqs, from_ids, cap))
                         progress.advance(task)
-                    row[f"{name}_us_per_block"] = best / total_blocks * 1e6
-                row["ratio"] = float(row["engine_us_per_block"]) / float(
-                    row["baseline_us_per_block"]
-                )  # type: ignore[arg-type]
-                rows.append(row)
+                    samples.setdefault((case, from_ids, name), []).append(best / total_blocks * 1e6)
+    rows: list[dict[str, object]] = []
+    for case, from_ids in cells:
+        row: dict[str, object] = {"case": case, "input": "hash ids" if from_ids else "tokens"}
+        for name in runners:
+            row[f"{name}_us_per_block"] = statistics.median(samples[(case, from_ids, name)])
+        rows.append(row)
     table = Table(
-        title=f"cache ops: {n_seq} sequences x {n_blocks} blocks, tokens_per_block={TPB}, "
-        f"eviction_policy={args.policy}"
+        title=f"cache ops: µs per block, {n_seq} sequences x {n_blocks} blocks, "
+        f"tokens_per_block={TPB}, median of {args.rounds} interleaved rounds "
+        f"(each the best of {args.repeat})"
     )
-    for col in ("case", "input", "engine us/block", "baseline us/block", "engine / baseline"):
-        table.add_column(col, justify="right")
+    ratios = Table(title="engine / baseline (same run)")
+    for t in (table, ratios):
+        t.add_column("case")
+        t.add_column("input")
+    for name in runners:
+        table.add_column(name.removeprefix("kvpool:"), justify="right")
+    refs = [r for r in ("vllm", "sglang", "minimal") if r in runners]
+    for p in policies:
+        for ref in refs:
+            ratios.add_column(f"{p} / {ref}", justify="right")
     for r in rows:
-        table.add_row(
+        us = {name: float(r[f"{name}_us_per_block"]) for name in runners}  # type: ignore[arg-type]
+        table.add_row(str(r["case"]), str(r["input"]), *(f"{us[n]:.2f}" for n in runners))
+        ratios.add_row(
             str(r["case"]),
             str(r["input"]),
-            f"{r['engine_us_per_block']:.2f}",
-            f"{r['baseline_us_per_block']:.2f}",
-            f"{r['ratio']:.1f}x",
+            *(f"{us[f'kvpool:{p}'] / us[ref]:.2f}x" for p in policies for ref in refs),
         )
     Console().print(table)
+    Console().print(ratios)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
-    _plot(rows, args.out / f"{stem}.png")
+    meta = {
+        "sequences": n_seq,
+        "blocks": n_blocks,
+        "tokens_per_block": TPB,
+        "rounds": args.rounds,
+        "repeat": args.repeat,
+        "runners": list(runners),
+        "left_out": missing,
+    }
+    (args.out / f"{args.stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    _plot(rows, list(runners), args.out / f"{args.stem}.png")
 
 
-def _plot(rows: list[dict[str, object]], path: Path) -> None:
+def _plot(rows: list[dict[str, object]], names: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{r['case']}\n({r['input']})" for r in rows]
-    x = range(len(rows))
+    width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(11, 4))
-    ax.bar(
-        [i - 0.2 for i in x], [float(r["engine_us_per_block"]) for r in rows], 0.4, label="engine"
-    )  # type: ignore[arg-type]
-    ax.bar(
-        [i + 0.2 for i in x],
-        [float(r["baseline_us_per_block"]) for r in rows],
-        0.4,
-        label="baseline",
-    )  # type: ignore[arg-type]
-    ax.set_xticks(list(x), labels, fontsize=7)
+    for k, name in enumerate(names):
+        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(rows))]
+        ax.bar(xs, [float(r[f"{name}_us_per_block"]) for r in rows], width, label=name)  # type: ignore[arg-type]
+    ax.set_xticks(list(range(len(rows))), labels, fontsize=7)
     ax.set_ylabel("microseconds per block")
-    ax.set_title("lookup + allocate + release per block")
-    ax.legend()
+    ax.set_title("lookup + allocate + release per block (median of interleaved rounds)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

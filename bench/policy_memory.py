@@ -4,8 +4,12 @@ The mixture policy keeps three shadow caches (keys, tree links, each expert's hi
 beside the real radix tree; this measures what they cost. For each policy a
 ``KVCacheManager`` with the replay geometry (1 layer, 1 head, head dim 1, so its KV tensors
 are negligible, and torch's allocations are not traced anyway) serves a workload, and
-``tracemalloc`` reports the Python memory the manager still holds afterwards. The baseline is
-plain LRU, measured in the same run.
+``tracemalloc`` reports the Python memory the manager still holds afterwards. Baselines
+measured in the same run: plain LRU, and the real vLLM ``KVCacheManager`` and SGLang
+``RadixCache`` (``bench/baselines.py``) when this Python has them (run it with
+``.venv-bench/bin/python`` after ``hack/bench-venv.sh``). Tensor storage is not traced for any
+of them: the figures are the metadata, which is what grows with a host tier of millions of
+blocks.
 
 Workloads: "distinct" (64-block requests that are all new: every history grows to its
 bound, the worst case) and "synthetic" (the Mooncake trace at 10% of its unique blocks).
@@ -22,6 +26,7 @@ import tracemalloc
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import baselines  # bench/baselines.py, beside this script
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -42,6 +47,7 @@ class Row:
     capacity_blocks: int
     bytes_per_block: float
     ratio_to_lru: float = 0.0
+    ratio_to_vllm: float | None = None
 
 
 Workload = tuple[str, int, int, list[list[int]]]
@@ -79,6 +85,22 @@ def held_bytes(policy: str, tpb: int, capacity: int, requests: list[list[int]]) 
     return held
 
 
+def held_bytes_baseline(name: str, tpb: int, capacity: int, requests: list[list[int]]) -> int:
+    """Python memory the real ``name`` manager holds after serving ``requests``."""
+    prompts = [[t for h in ids for t in block_tokens(h, tpb)] for ids in requests]
+    max_len = max(map(len, prompts)) + tpb
+    gc.collect()
+    tracemalloc.start()
+    manager = baselines.make(name, tpb, capacity, max_len)
+    for i, tokens in enumerate(prompts):
+        manager.serve(i, tokens)
+    gc.collect()
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del manager
+    return held
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=20_000, help="blocks, distinct workload")
@@ -86,18 +108,37 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[Row] = []
     cases = [distinct(args.capacity), synthetic()]
+    found = [name for name, why in baselines.available().items() if why is None]
+    for name, why in baselines.available().items():
+        if why is not None:
+            Console(stderr=True).print(f"[yellow]baseline {name} left out: {why}[/]")
+    # one small run of each first, so that lazy imports and caches a first use fills are not
+    # counted against whichever workload comes first
+    for policy in EVICTION_POLICIES:
+        held_bytes(policy, 16, 128, [list(range(64)), list(range(64, 128))])
+    for baseline in found:
+        held_bytes_baseline(baseline, 16, 128, [list(range(64)), list(range(64, 128))])
     with Progress() as progress:
-        task = progress.add_task("policy memory", total=len(cases) * len(EVICTION_POLICIES))
+        task = progress.add_task(
+            "policy memory", total=len(cases) * (len(EVICTION_POLICIES) + len(found))
+        )
         for name, tpb, capacity, requests in cases:
             for policy in EVICTION_POLICIES:
                 held = held_bytes(policy, tpb, capacity, requests)
                 rows.append(Row(name, policy, capacity, held / capacity))
                 progress.advance(task)
+            for baseline in found:
+                held = held_bytes_baseline(baseline, tpb, capacity, requests)
+                rows.append(Row(name, baseline, capacity, held / capacity))
+                progress.advance(task)
     base = {r.workload: r.bytes_per_block for r in rows if r.policy == "lru"}
+    vllm = {r.workload: r.bytes_per_block for r in rows if r.policy == "vllm"}
     for r in rows:
         r.ratio_to_lru = r.bytes_per_block / base[r.workload]
+        if r.workload in vllm:
+            r.ratio_to_vllm = r.bytes_per_block / vllm[r.workload]
     table = Table(title="engine metadata (Python heap) per block of capacity")
-    for col in ("workload", "capacity", "policy", "bytes / block", "vs lru"):
+    for col in ("workload", "capacity", "policy", "bytes / block", "vs lru", "vs vllm"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -106,6 +147,7 @@ def main() -> None:
             r.policy,
             f"{r.bytes_per_block:.0f}",
             f"{r.ratio_to_lru:.2f}x",
+            "" if r.ratio_to_vllm is None else f"{r.ratio_to_vllm:.2f}x",
         )
     Console().print(table)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -120,17 +162,19 @@ def _plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r.workload for r in rows))
-    count = len(EVICTION_POLICIES)
+    policies = list(dict.fromkeys(r.policy for r in rows))
+    count = len(policies)
     width = 0.8 / count
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, policy in enumerate(EVICTION_POLICIES):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, policy in enumerate(policies):
         per = {r.workload: r.bytes_per_block for r in rows if r.policy == policy}
         values = [per[name] for name in names]
         offset = (i - (count - 1) / 2) * width
         ax.bar([j + offset for j in range(len(names))], values, width, label=policy)
     ax.set_xticks(list(range(len(names))), names)
     ax.set_ylabel("bytes of Python heap per block of capacity")
-    ax.set_title("engine metadata by eviction policy")
+    ax.set_title("cache metadata per block: kvpool by eviction policy, vLLM, SGLang")
+    ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
