@@ -152,8 +152,25 @@ def start_engine(spec: dict[str, Any]) -> Any:
     )
 
 
-def run_phase(llm: Any, spec: dict[str, Any], phase: dict[str, Any]) -> dict[str, Any]:
-    """One ``generate`` of the phase's prompts (after its reset and fault), and what it gave."""
+def phase_prompts(phase: dict[str, Any], earlier: dict[str, dict[str, Any]]) -> list[list[int]]:
+    """The phase's ``prompts``, or with ``extend`` (``{"from": PHASE, "take": N, "extra":
+    [...]}``) each prompt of an earlier phase followed by the first N tokens it generated and
+    ``extra``: a next turn that repeats the answer."""
+    ext = phase.get("extend")
+    if ext is None:
+        return list(phase["prompts"])
+    before = earlier[ext["from"]]
+    return [
+        list(prompt) + out["tokens"][: ext["take"]] + list(ext["extra"])
+        for prompt, out in zip(before["prompts"], before["outputs"], strict=True)
+    ]
+
+
+def run_phase(
+    llm: Any, spec: dict[str, Any], phase: dict[str, Any], earlier: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """One ``generate`` of the phase's prompts (after its reset and fault), and what it gave
+    (``earlier``: the records of the phases before, by name)."""
     from vllm import SamplingParams
 
     has_connector = spec.get("connector") is not None
@@ -170,7 +187,7 @@ def run_phase(llm: Any, spec: dict[str, Any], phase: dict[str, Any]) -> dict[str
         from faulty import FaultyConnector
 
         FaultyConnector.configure(fault, phase.get("fault_args", {}))
-    prompts = [{"prompt_token_ids": ids} for ids in phase["prompts"]]
+    prompts = [{"prompt_token_ids": ids} for ids in phase_prompts(phase, earlier)]
     t0 = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.monotonic() - t0
@@ -178,6 +195,7 @@ def run_phase(llm: Any, spec: dict[str, Any], phase: dict[str, Any]) -> dict[str
         assert worker.flush(60.0), "the connector's saves did not finish"
     record: dict[str, Any] = {
         "name": phase["name"],
+        "prompts": [p["prompt_token_ids"] for p in prompts],
         "elapsed_s": elapsed,
         "outputs": [
             {
@@ -208,8 +226,11 @@ def run(spec_path: Path, out_path: Path) -> None:
     started = time.monotonic()
     llm = start_engine(spec)
     result: dict[str, Any] = {"startup_s": time.monotonic() - started, "phases": []}
+    earlier: dict[str, dict[str, Any]] = {}
     for phase in spec["phases"]:
-        result["phases"].append(run_phase(llm, spec, phase))
+        record = run_phase(llm, spec, phase, earlier)
+        earlier[phase["name"]] = record
+        result["phases"].append(record)
         out_path.write_text(json.dumps(result))
     # The engine's process-wide state is torn down by exit; nothing runs after this.
     os._exit(0)
@@ -225,10 +246,14 @@ def serve(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     llm = start_engine(spec)
     print("KVPOOL-READY", flush=True)
+    earlier: dict[str, dict[str, Any]] = {}
     for line in sys.stdin:
         if not line.strip():
             break
-        print(RESULT + json.dumps(run_phase(llm, spec, json.loads(line))), flush=True)
+        phase = json.loads(line)
+        record = run_phase(llm, spec, phase, earlier)
+        earlier[phase["name"]] = record
+        print(RESULT + json.dumps(record), flush=True)
     os._exit(0)
 
 

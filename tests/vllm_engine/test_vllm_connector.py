@@ -56,6 +56,12 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 P, Q = _prompts()
 Q_HIT_TOKENS = 200 // BLOCK * BLOCK
+R = [P[0][:84]]
+"""A prompt of 2 full blocks and 20 tokens, answered with R_GENERATED tokens: the KV of the
+first 84 + 49 = 133 tokens is computed (the last answer token never is), 4 full blocks."""
+R_GENERATED = 50
+R_NEXT = {"from": "r", "take": 44, "extra": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}
+"""The next turn: R, 44 tokens of its answer, 10 new ones (138 tokens, 4 full blocks)."""
 
 
 @dataclass
@@ -67,11 +73,8 @@ class Pool:
         return self.agent.metric("kvpool_prefix_cache_hits_tokens_total")
 
 
-@pytest.fixture(scope="module")
-def pool(
-    tmp_path_factory: pytest.TempPathFactory, start_agent: Callable[..., AgentProcess]
-) -> Iterator[Pool]:
-    tmp = tmp_path_factory.mktemp("vllm-pool")
+def start_pool(tmp: Path, start_agent: Callable[..., AgentProcess]) -> Pool:
+    """A CPU agent of POOL_BLOCKS blocks whose tenants are ``TOKENS``."""
     (tmp / "tenants.yaml").write_text(
         yaml.safe_dump({name: token_digest(tok) for name, tok in TOKENS.items()})
     )
@@ -88,8 +91,16 @@ def pool(
     config = tmp / "agent.yaml"
     config.write_text(yaml.safe_dump(doc))
     agent = start_agent(config, port, "--port", str(port))
-    yield Pool(agent, f"127.0.0.1:{transfer}")
-    agent.stop()
+    return Pool(agent, f"127.0.0.1:{transfer}")
+
+
+@pytest.fixture(scope="module")
+def pool(
+    tmp_path_factory: pytest.TempPathFactory, start_agent: Callable[..., AgentProcess]
+) -> Iterator[Pool]:
+    running = start_pool(tmp_path_factory.mktemp("vllm-pool"), start_agent)
+    yield running
+    running.agent.stop()
 
 
 def connector(pool: Pool, **extra: Any) -> dict[str, Any]:
@@ -121,7 +132,12 @@ def baseline(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPa
     spec = {
         "model": str(model_dir),
         "connector": None,
-        "phases": [{"name": "p", "prompts": P}, {"name": "q", "prompts": Q, "reset": True}],
+        "phases": [
+            {"name": "p", "prompts": P},
+            {"name": "q", "prompts": Q, "reset": True},
+            {"name": "r", "prompts": R, "reset": True, "max_tokens": R_GENERATED},
+            {"name": "r-next", "extend": R_NEXT, "reset": True},
+        ],
     }
     return run_engine(vllm_python, tmp, "baseline", spec)
 
@@ -245,3 +261,47 @@ def test_engines_share_kv_through_the_pool_and_a_failing_pool_costs_only_speed(
     assert down["outputs"][0]["num_cached_tokens"] == 0
     assert down["worker_stats"]["loaded_blocks"] == killed["worker_stats"]["loaded_blocks"]
     assert same_outputs(down["outputs"], want_q)
+
+
+def test_decode_blocks_are_saved_when_asked_and_a_next_turn_hits_them(
+    vllm_python: Path,
+    model_dir: Path,
+    baseline: dict[str, Any],
+    tmp_path: Path,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    (tmp_path / "pool").mkdir()
+    own = start_pool(tmp_path / "pool", start_agent)
+    try:
+        # Two tenants of one agent: two disjoint namespaces, so the runs cannot see each other.
+        results = {}
+        for save_decode, tenant in ((False, "b"), (True, "a")):
+            results[save_decode] = run_engine(
+                vllm_python,
+                tmp_path,
+                f"decode-{save_decode}",
+                {
+                    "model": str(model_dir),
+                    "connector": connector(own, save_decode=save_decode),
+                    "phases": [
+                        {"name": "r", "prompts": R, "max_tokens": R_GENERATED},
+                        {"name": "r-next", "extend": R_NEXT, "reset": True},
+                    ],
+                },
+                token=TOKENS[tenant],
+            )
+        want_r, want_next = phase(baseline, "r")["outputs"], phase(baseline, "r-next")["outputs"]
+        plain, decode = results[False], results[True]
+        # Without save_decode only R's 2 full prompt blocks reach the pool, and the next turn
+        # (vLLM's own cache reset) finds only those.
+        assert phase(plain, "r")["worker_stats"]["saved_blocks"] == 2
+        assert phase(plain, "r-next")["outputs"][0]["num_cached_tokens"] == 2 * BLOCK
+        # With it, the 2 blocks the answer filled follow the prompt's 2.
+        assert phase(decode, "r")["worker_stats"]["saved_blocks"] == 4
+        assert phase(decode, "r-next")["outputs"][0]["num_cached_tokens"] == 4 * BLOCK
+        assert phase(decode, "r-next")["worker_stats"]["loaded_blocks"] == 4
+        for run in (plain, decode):
+            assert same_outputs(phase(run, "r")["outputs"], want_r)
+            assert same_outputs(phase(run, "r-next")["outputs"], want_next)
+    finally:
+        own.agent.stop()

@@ -92,6 +92,11 @@ class ConnectorSettings(BaseModel):
     )
     checksums: bool = Field(default=False, description="CRC-32 on every transfer.")
     save: bool = Field(default=True, description="Store computed prompt blocks in the pool.")
+    save_decode: bool = Field(
+        default=False,
+        description="Also store blocks filled by generated tokens (a later turn that repeats "
+        "the answer hits them).",
+    )
     load: bool = Field(default=True, description="Load prompt blocks the pool holds.")
     max_pending_saves: int = Field(
         default=64,

@@ -313,9 +313,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_save(self, meta: KvpoolConnectorMetadata, tracked: _Tracked, tokens: int) -> None:
-        """Prompt blocks full once this step ran, not yet in the pool: save them."""
+        """Blocks full once this step ran, not yet in the pool: save them. Prompt blocks, and
+        with ``save_decode`` blocks of generated tokens too: only tokens the request already
+        holds count (a draft token that may be rejected, or an output not yet appended, never
+        does), so every saved block has its hash and its KV was computed by this step."""
         request = tracked.request
-        full = min(tokens, int(request.num_prompt_tokens)) // self.block_size
+        limit = int(request.num_tokens if self.settings.save_decode else request.num_prompt_tokens)
+        full = min(tokens, limit) // self.block_size
         full = min(full, len(request.block_hashes), len(tracked.block_ids))
         if full <= tracked.saved:
             return
