@@ -110,9 +110,10 @@ class KvCacheConfig(_Model):
     eviction_policy: str = Field(
         "mixture",
         description="How blocks of equal priority are ordered for eviction: mixture (the "
-        "default, best across the traces in shared/traces: follows whichever of reuse-gap, "
-        "LRFU and ARC has been hitting most), reuse-gap, or lru (the reference's plain LRU). "
-        "Priorities and retention durations always come first.",
+        "default: follows whichever of plain LRU, reuse-gap, LRFU and ARC has been hitting "
+        "most, LRU unless another leads by a margin; at most about 1% of requested blocks "
+        "below plain LRU), reuse-gap, or lru (the reference's plain LRU). Priorities and "
+        "retention durations always come first.",
     )
 
     @field_validator("tokens_per_block")
@@ -417,6 +418,35 @@ class LifecycleConfig(_Model):
         description="Snapshot file written on drain when no peer took the blocks, and loaded "
         "at start when its geometry matches. Restart-only.",
     )
+    ring_aware: bool = Field(
+        True,
+        description="Hand blocks to the peers that own their keys: on drain each chain goes "
+        "to its rendezvous owner among the ready peers, and a starting agent takes back "
+        "from its peers the chains it owns (server/rebalance.py). Off: the first peer that "
+        "accepts gets all. Live.",
+    )
+    self_url: str | None = Field(
+        None,
+        max_length=512,
+        pattern=PEER_URL_PATTERN,
+        description="This agent's own base URL as the clients rank it (as in handoff_peers); "
+        "unset: KVPOOL_SELF_URL, else the handoff peer whose host's first label is POD_NAME. "
+        "The operator clears it (one config serves every pod). Live.",
+    )
+    affinity_blocks: int = Field(
+        4,  # kvpool_agent.client.DEFAULT_AFFINITY_BLOCKS
+        ge=1,
+        le=1024,
+        description="Leading blocks the clients route a sequence by (PoolClient's "
+        "affinity_blocks): must equal theirs for the ring-aware handoff to find owners. Live.",
+    )
+    handback_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        le=600,
+        description="Seconds a starting agent waits for its peers to return the chains it "
+        "owns before it reports ready (0: take nothing back). Live.",
+    )
 
 
 class AgentConfig(_Model):
@@ -523,6 +553,10 @@ LIVE_FIELDS: frozenset[str] = frozenset(
         "lifecycle.grace_period_s",
         "lifecycle.handoff_peers",
         "lifecycle.handoff_max_blocks",
+        "lifecycle.ring_aware",
+        "lifecycle.self_url",
+        "lifecycle.affinity_blocks",
+        "lifecycle.handback_timeout_s",
     }
 )
 """Dotted field paths a running agent applies from its reloaded config file with no restart.

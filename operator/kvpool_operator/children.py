@@ -160,6 +160,9 @@ def pod_agent_config(pool: KVCachePool) -> AgentConfig:
     (and its hash): tokens change in the Secret, which agents re-read, and roll no pod."""
     doc = pool.spec.agent_config().model_dump(mode="python")
     doc["server"]["host"] = SERVE_HOST
+    # One config for every pod: each agent finds its own name in the ring from POD_NAME
+    # (the handoff peer named after its pod), so a selfUrl here would name one pod for all.
+    doc["lifecycle"]["self_url"] = None
     doc["auth"] = {
         "tenants_file": TENANTS_PATH,
         "peer_token_file": PEER_TOKEN_PATH,
@@ -171,7 +174,11 @@ def pod_agent_config(pool: KVCachePool) -> AgentConfig:
 def pool_agent_config(pool: KVCachePool, replicas: int | None = None) -> AgentConfig:
     """The pods' agent config, plus the pool's pods as handoff peers for warm handoff.
 
-    Peers are a live field, so scaling rewrites the ConfigMap without rolling the pods.
+    Peers are a live field, so scaling rewrites the ConfigMap without rolling the pods. They
+    are also the ring the agents rank chains over for the ring-aware handoff
+    (``lifecycle.ring_aware``, ``kvpool_agent.server.rebalance``): the same stable names the
+    pool's clients rank (``peer_urls``), so a chain handed off or taken back lands on the pod
+    the clients ask for it. Each agent finds itself among them by its ``POD_NAME``.
     """
     config = pod_agent_config(pool)
     if pool.spec.rollout.warm_handoff and not config.lifecycle.handoff_peers:

@@ -46,10 +46,23 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Agent pods running the current config.",
     },
     {
-        "name": "Hit rate",
+        "name": "Hit rate 5m",
         "type": "number",
         "jsonPath": ".status.cache.hitRate",
-        "description": "Token hit rate over the last metrics interval.",
+        "description": "Token hit rate over the last 5 minutes (status.cache.windowSeconds); "
+        "empty when there were no queries.",
+    },
+    {
+        "name": "At N-1",
+        "type": "number",
+        "jsonPath": ".status.cache.predictedHitRateDown",
+        "description": "Predicted hit rate with one replica fewer (agents' miss-ratio curves).",
+    },
+    {
+        "name": "At N+1",
+        "type": "number",
+        "jsonPath": ".status.cache.predictedHitRateUp",
+        "description": "Predicted hit rate with one replica more.",
     },
     {
         "name": "Age",

@@ -12,7 +12,9 @@ import os
 from typing import Any
 
 import kopf
+from prometheus_client import start_http_server
 
+from kvpool_operator import operator_metrics
 from kvpool_operator.kube import KubeApi, KubeError
 from kvpool_operator.models import GROUP, PLURAL, PREFIX, VERSION
 from kvpool_operator.policy import OperatorPolicy
@@ -26,6 +28,8 @@ registry = kopf.OperatorRegistry()
 RESOURCE = (GROUP, VERSION, PLURAL)
 TIMER_INTERVAL = float(os.environ.get("KVPOOL_TIMER_INTERVAL", "10"))
 RETRY_DELAY = 10.0
+METRICS_PORT = int(os.environ.get("KVPOOL_OPERATOR_METRICS_PORT", "0"))
+"""Where the operator serves its own metrics (``operator_metrics``); 0: not served."""
 CONTEXT_KEY = "kvpool"
 
 
@@ -57,6 +61,9 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
                 "the operator's metrics scrapes"
             )
         memo[CONTEXT_KEY] = OperatorContext(api=KubeApi.from_environment(), policy=policy)
+        if METRICS_PORT:
+            start_http_server(METRICS_PORT, registry=operator_metrics.REGISTRY)
+            log.info("operator metrics on :%d/metrics", METRICS_PORT)
 
 
 @kopf.on.login(registry=registry)
@@ -96,3 +103,5 @@ def on_timer(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
 def on_delete(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
     """Forget the pool's in-memory state; owner references garbage-collect the children."""
     _context(memo).forget(pool_key(dict(body)))
+    meta = body.get("metadata") or {}
+    operator_metrics.forget(str(meta.get("namespace") or "default"), str(meta.get("name")))

@@ -7,7 +7,7 @@ end-to-end tests point it at agents listening on loopback addresses.
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -18,6 +18,10 @@ HITS = "kvpool_prefix_cache_hits_tokens_total"
 CAPACITY_MISSES = "kvpool_prefix_cache_capacity_misses_tokens_total"
 BLOCKS_USED = "kvpool_cache_blocks_used"
 BLOCKS_TOTAL = "kvpool_cache_blocks_total"
+REUSE_DISTANCE = "kvpool_prefix_cache_reuse_distance_capacity_ratio"
+REUSE_DISTANCE_BUCKET = REUSE_DISTANCE + "_bucket"
+"""The agents' miss-ratio curve (``agent/kvpool_agent/cache/mrc.py``): accessed blocks by
+LRU reuse distance as a fraction of the capacity, cumulative by ``le``."""
 PRIMARY_TIER = "primary"
 
 SCRAPE_TIMEOUT = 2.0
@@ -56,25 +60,81 @@ class AgentSample:
     capacity_misses: float = 0.0
     blocks_used: float = 0.0
     blocks_total: float = 0.0
+    curve: Curve | None = None
+    """The miss-ratio curve's cumulative counters; None from an agent that exports none."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A cumulative reuse-distance histogram: ``bounds`` (fractions of capacity, rising),
+    ``cumulative[i]`` the accesses within ``bounds[i]``, ``total`` every access (+Inf)."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[float, ...]
+    total: float
+
+    def hit_ratio(self, ratio: float) -> float | None:
+        """Share of the accesses an LRU cache ``ratio`` times the capacity would hit, linear
+        between bounds, flat beyond the last one; None without accesses."""
+        if self.total <= 0:
+            return None
+        if ratio <= 0:
+            return 0.0
+        lo_x = lo_y = 0.0
+        for x, y in zip(self.bounds, self.cumulative, strict=True):
+            if ratio <= x:
+                share = (ratio - lo_x) / (x - lo_x) if x > lo_x else 1.0
+                return min(max((lo_y + share * (y - lo_y)) / self.total, 0.0), 1.0)
+            lo_x, lo_y = x, y
+        return min(max(lo_y / self.total, 0.0), 1.0)
+
+    def plus(self, other: Curve) -> Curve:
+        if other.bounds != self.bounds:
+            return self if self.total >= other.total else other
+        return Curve(
+            self.bounds,
+            tuple(a + b for a, b in zip(self.cumulative, other.cumulative, strict=True)),
+            self.total + other.total,
+        )
+
+    def since(self, before: Curve | None) -> Curve:
+        """The accesses between two scrapes; the whole curve after a reset (restart)."""
+        if before is None or before.bounds != self.bounds or self.total < before.total:
+            return self
+        return Curve(
+            self.bounds,
+            tuple(a - b for a, b in zip(self.cumulative, before.cumulative, strict=True)),
+            self.total - before.total,
+        )
 
 
 def parse_agent_metrics(text: str) -> AgentSample:
     """Sum the kvpool series of one exposition: hits over tiers, blocks over the primary tier."""
     values = {QUERIES: 0.0, HITS: 0.0, CAPACITY_MISSES: 0.0, BLOCKS_USED: 0.0, BLOCKS_TOTAL: 0.0}
     counters = {QUERIES, HITS, CAPACITY_MISSES}
+    buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
+            if name == REUSE_DISTANCE_BUCKET:
+                buckets[float(sample.labels["le"])] = float(sample.value)
+                continue
             if name not in values:
                 continue
             if name in counters or sample.labels.get("tier", PRIMARY_TIER) == PRIMARY_TIER:
                 values[name] += float(sample.value)
+    curve = None
+    total = buckets.pop(float("inf"), None)
+    if total is not None:
+        bounds = tuple(sorted(buckets))
+        curve = Curve(bounds, tuple(buckets[b] for b in bounds), total)
     return AgentSample(
         queries=values[QUERIES],
         hits=values[HITS],
         capacity_misses=values[CAPACITY_MISSES],
         blocks_used=values[BLOCKS_USED],
         blocks_total=values[BLOCKS_TOTAL],
+        curve=curve,
     )
 
 
@@ -122,6 +182,12 @@ class Observation:
     capacity_misses: float
     blocks_used: float
     blocks_total: float
+    agents: int = 0
+    """Agents whose counters the interval covers (the replicas that served it)."""
+    curve: Curve | None = None
+    """The interval's reuse-distance histogram, summed over those agents."""
+    seconds: float = 0.0
+    """How long the interval was."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -159,13 +225,19 @@ def observe(previous: PoolSample | None, current: PoolSample) -> Observation | N
     if previous is None:
         return None
     queries = hits = capacity = 0.0
+    agents = 0
+    curve: Curve | None = None
     for pod, now in current.agents.items():
         before = previous.agents.get(pod)
         if before is None:
             continue
+        agents += 1
         queries += _delta(now.queries, before.queries)
         hits += _delta(now.hits, before.hits)
         capacity += _delta(now.capacity_misses, before.capacity_misses)
+        if now.curve is not None:
+            delta = now.curve.since(before.curve)
+            curve = delta if curve is None else curve.plus(delta)
     return Observation(
         at=current.at,
         queries=queries,
@@ -173,4 +245,30 @@ def observe(previous: PoolSample | None, current: PoolSample) -> Observation | N
         capacity_misses=capacity,
         blocks_used=sum(a.blocks_used for a in current.agents.values()),
         blocks_total=sum(a.blocks_total for a in current.agents.values()),
+        agents=agents,
+        curve=curve,
+        seconds=max(current.at - previous.at, 0.0),
+    )
+
+
+def merge(observations: Sequence[Observation]) -> Observation | None:
+    """The observations of consecutive intervals as one (counts summed, gauges and the
+    agent count of the latest); None for none."""
+    if not observations:
+        return None
+    last = observations[-1]
+    curve: Curve | None = None
+    for obs in observations:
+        if obs.curve is not None:
+            curve = obs.curve if curve is None else curve.plus(obs.curve)
+    return Observation(
+        at=last.at,
+        queries=sum(o.queries for o in observations),
+        hits=sum(o.hits for o in observations),
+        capacity_misses=sum(o.capacity_misses for o in observations),
+        blocks_used=last.blocks_used,
+        blocks_total=last.blocks_total,
+        agents=last.agents,
+        curve=curve,
+        seconds=sum(o.seconds for o in observations),
     )

@@ -141,7 +141,12 @@ class AgentSpec(_CrModel):
 
 
 class AutoscalingSpec(_CrModel):
-    """Replica bounds and the hit-rate rule the built-in autoscaler follows."""
+    """Replica bounds and the hit-rate rule the built-in autoscaler follows.
+
+    The rule predicts the pool's hit rate at every replica count from the agents' miss-ratio
+    curves (``operator/kvpool_operator/autoscaler.py``); the usage and capacity-miss fields
+    are the fallback for agents that export no curve.
+    """
 
     mode: Literal["builtin", "external"] = Field(
         default="builtin",
@@ -154,32 +159,51 @@ class AutoscalingSpec(_CrModel):
         default=0.8,
         ge=0.0,
         le=1.0,
-        description="Token hit rate below which more capacity is wanted.",
+        description="The pool runs the fewest replicas whose predicted token hit rate (from "
+        "the agents' miss-ratio curves) meets this; when none does, replicas are added only "
+        "while each buys at least 2 points.",
+    )
+    hit_rate_tolerance: float = Field(
+        default=0.02,
+        ge=0.0,
+        le=0.5,
+        description="A step down needs the smaller pool's predicted hit rate to clear "
+        "targetHitRate by this much (hysteresis against flapping).",
+    )
+    min_hit_rate_gain_per_replica: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="When set, replaces targetHitRate: add a replica while it is predicted to "
+        "buy at least this much hit rate, remove one while it buys less than half of it.",
     )
     capacity_miss_share: float = Field(
         default=0.3,
         ge=0.0,
         le=1.0,
-        description="Scale up only when at least this share of the misses are capacity misses "
-        "(a bigger cache would have hit them).",
+        description="Fallback for agents without a miss-ratio curve: scale up only when at "
+        "least this share of the misses are capacity misses (ghost list).",
     )
     scale_up_usage: float = Field(
         default=0.85,
         ge=0.0,
         le=1.0,
-        description="Scale up only when the cache is at least this full (used/total blocks).",
+        description="Fallback for agents without a miss-ratio curve: scale up only when the "
+        "cache is at least this full (used/total blocks).",
     )
     scale_down_usage: float = Field(
         default=0.5,
         ge=0.0,
         le=1.0,
-        description="Scale down only when the cache is at most this full.",
+        description="Fallback for agents without a miss-ratio curve: scale down only when the "
+        "cache is at most this full.",
     )
     scale_down_capacity_miss_rate: float = Field(
         default=0.01,
         ge=0.0,
         le=1.0,
-        description="Scale down only when capacity misses per queried token are at most this.",
+        description="Fallback for agents without a miss-ratio curve: scale down only when "
+        "capacity misses per queried token are at most this.",
     )
     scale_up_stabilization_seconds: int = Field(
         default=30,
@@ -191,8 +215,8 @@ class AutoscalingSpec(_CrModel):
         default=300,
         ge=0,
         le=86400,
-        description="How long the scale-down signal must hold, and the least time after any "
-        "step before a step down.",
+        description="How long the scale-down signal (or no queries at all: down to "
+        "minReplicas) must hold, and the least time after any step before a step down.",
     )
 
     @model_validator(mode="after")
@@ -462,11 +486,34 @@ class CacheStatus(_CrModel):
     """Coarse cache figures from the agents' metrics, refreshed at most every 30 s."""
 
     hit_rate: float | None = Field(
-        default=None, description="Token hit rate over the last interval."
+        default=None,
+        description="Token hit rate over the last windowSeconds; empty when there were no "
+        "queries in that window.",
+    )
+    window_seconds: int | None = Field(
+        default=None, description="The window hitRate and capacityMissRate cover."
+    )
+    queries_per_second: float | None = Field(
+        default=None, description="Queried tokens per second over the window."
     )
     usage: float | None = Field(default=None, description="Used share of the primary-tier blocks.")
     capacity_miss_rate: float | None = Field(
-        default=None, description="Capacity misses per queried token over the last interval."
+        default=None, description="Capacity misses per queried token over the window."
+    )
+    predicted_hit_rate_down: float | None = Field(
+        default=None,
+        description="Predicted hit rate with one replica fewer, from the agents' miss-ratio "
+        "curves over the last 30 s of traffic (what the autoscaler judges); empty without "
+        "queries or curves, or at one replica.",
+    )
+    predicted_hit_rate_up: float | None = Field(
+        default=None,
+        description="Predicted hit rate with one replica more; empty without queries or curves.",
+    )
+    desired_replicas: int | None = Field(
+        default=None,
+        description="The replica count the autoscaler's rule asks for now (steps move towards "
+        "it); also computed in external mode, for an HPA or KEDA to follow.",
     )
     updated_at: str | None = Field(default=None, description="When these figures were measured.")
 
@@ -494,6 +541,11 @@ class KVCachePoolStatus(_CrModel):
     cache: CacheStatus | None = Field(default=None, description="Coarse cache figures.")
     last_scale_time: str | None = Field(
         default=None, description="When the built-in autoscaler last changed spec.replicas."
+    )
+    last_scale_reason: str | None = Field(
+        default=None,
+        description="Why the built-in autoscaler last changed spec.replicas, with the "
+        "predicted and measured hit rates.",
     )
 
 

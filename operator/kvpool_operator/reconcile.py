@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,14 +19,16 @@ import yaml
 from pydantic import ValidationError
 
 from kvpool_agent.config import AgentConfig, changed_fields, format_validation_error, restart_fields
-from kvpool_operator import children, tokens
-from kvpool_operator.autoscaler import ScalerState, decide
+from kvpool_operator import children, operator_metrics, tokens
+from kvpool_operator.autoscaler import Decision, ScalerState, decide, predict
 from kvpool_operator.kube import KubeApi, KubeError
 from kvpool_operator.metrics import (
+    Observation,
     PoolSample,
     Scraper,
     ScrapeTarget,
     http_scraper,
+    merge,
     observe,
     scrape_pool,
 )
@@ -37,6 +40,11 @@ log = logging.getLogger(__name__)
 
 CACHE_STATUS_PERIOD = 30.0
 """Cache figures reach the pool's status at most this often."""
+STATUS_WINDOW = 300.0
+"""status.cache.hitRate and the predictions cover this much of the past (5 minutes)."""
+DECISION_WINDOW = 30.0
+"""The autoscaler judges the last this-many seconds of traffic at each timer run (since the
+last step at most), so one quiet or noisy interval does not reset a signal."""
 
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
 NETWORK_POLICY_API = "networking.k8s.io/v1"
@@ -52,6 +60,9 @@ class PoolRuntime:
     scaler: ScalerState = field(default_factory=ScalerState)
     cache: CacheStatus | None = None
     cache_written_at: float | None = None
+    history: deque[Observation] = field(default_factory=deque)
+    """The intervals of the last ``STATUS_WINDOW`` seconds, oldest first."""
+    scale_reason: str | None = None
     reported: dict[str, str] = field(default_factory=dict)
     """Last message per event reason, so a repeated warning is not posted every tick."""
 
@@ -309,6 +320,7 @@ def _write(
         cache=cache,
         last_scale_time=last_scale_time,
         now=now,
+        last_scale_reason=runtime.scale_reason if last_scale_time is not None else None,
     )
     current = (
         pool.status.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -368,29 +380,80 @@ def _metrics_step(
         log.debug("scraping %s failed: %s", pod, why)
     obs = observe(runtime.previous_sample, sample)
     runtime.previous_sample = sample
-    if obs is not None and sample.agents:
-        runtime.cache = CacheStatus(
-            hit_rate=_round(obs.hit_rate),
-            usage=_round(obs.usage),
-            capacity_miss_rate=_round(obs.capacity_miss_rate) if obs.queries > 0 else None,
-            updated_at=rfc3339(now),
-        )
+    history = runtime.history
+    if obs is not None:
+        history.append(obs)
+    while history and history[0].at <= now - STATUS_WINDOW:
+        history.popleft()
     auto = pool.spec.autoscaling
-    if auto is None or auto.mode != "builtin":
-        return replicas, None
     # The spec's own count, so one out of bounds (bounds were edited) is written back clamped.
-    current = pool.spec.replicas if pool.spec.replicas is not None else auto.min_replicas
-    decision = decide(runtime.scaler, obs, current, auto, now)
+    current = replicas
+    if auto is not None and auto.mode == "builtin":
+        current = pool.spec.replicas if pool.spec.replicas is not None else auto.min_replicas
+    last_step = runtime.scaler.last_scale_at
+    decision: Decision | None = None
+    if auto is not None:
+        recent = window(history, now - DECISION_WINDOW, last_step)
+        decision = decide(runtime.scaler, recent, current, auto, now)
+    if obs is not None and sample.agents:
+        runtime.cache = _cache_status(history, obs, now, current, last_step, decision)
+        operator_metrics.record(pool.namespace, pool.name, runtime.cache)
+    if auto is None or auto.mode != "builtin" or decision is None:
+        return replicas, None
     runtime.scaler = decision.state
     if not decision.changed:
         return replicas, None
     replicas = current
     ctx.api.scale_pool(pool.namespace, pool.name, decision.replicas)
     verb = "ScaledUp" if decision.replicas > replicas else "ScaledDown"
-    report.event(
-        "Normal", verb, f"spec.replicas {replicas} -> {decision.replicas}: {decision.reason}"
-    )
+    message = f"spec.replicas {replicas} -> {decision.replicas}: {decision.reason}"
+    runtime.scale_reason = message
+    report.event("Normal", verb, message)
     return decision.replicas, rfc3339(now)
+
+
+def window(
+    history: deque[Observation] | list[Observation], start: float, last_step: float | None
+) -> Observation | None:
+    """The intervals that ended after ``start`` and after the last step, served by as many
+    agents as the latest one, merged; None when there are none."""
+    if not history:
+        return None
+    latest = history[-1]
+    cut = start if last_step is None else max(start, last_step)
+    picked = [o for o in history if o.at > cut and o.agents == latest.agents]
+    return merge(picked) if picked else merge([latest])
+
+
+def _cache_status(
+    history: deque[Observation],
+    latest: Observation,
+    now: float,
+    replicas: int,
+    last_step: float | None,
+    decision: Decision | None,
+) -> CacheStatus:
+    """Hit rate over the status window (empty without queries); predictions at N-1 and N+1
+    from what the autoscaler judges (the last ``DECISION_WINDOW`` seconds since the last
+    step: after a step the keys that moved make a transient it should not average in)."""
+    whole = merge(list(history)) or latest
+    steady = window(history, now - DECISION_WINDOW, last_step)
+    down = up = None
+    if steady is not None and steady.queries > 0:
+        n = steady.agents
+        down = predict(steady, n - 1) if n > 1 else None
+        up = predict(steady, n + 1)
+    return CacheStatus(
+        hit_rate=_round(whole.hit_rate),
+        window_seconds=int(STATUS_WINDOW),
+        queries_per_second=_round(whole.queries / whole.seconds) if whole.seconds > 0 else None,
+        usage=_round(latest.usage),
+        capacity_miss_rate=_round(whole.capacity_miss_rate) if whole.queries > 0 else None,
+        predicted_hit_rate_down=_round(down),
+        predicted_hit_rate_up=_round(up),
+        desired_replicas=decision.desired if decision is not None else None,
+        updated_at=rfc3339(now),
+    )
 
 
 def _round(value: float | None) -> float | None:

@@ -145,6 +145,7 @@ def compute_status(
     cache: CacheStatus | None,
     last_scale_time: str | None,
     now: float,
+    last_scale_reason: str | None = None,
 ) -> KVCachePoolStatus:
     prev = previous or KVCachePoolStatus()
     return KVCachePoolStatus(
@@ -157,11 +158,19 @@ def compute_status(
         conditions=conditions_for(rollout, problem, generation, prev.conditions, now),
         cache=cache if cache is not None else prev.cache,
         last_scale_time=last_scale_time if last_scale_time is not None else prev.last_scale_time,
+        last_scale_reason=(
+            last_scale_reason if last_scale_reason is not None else prev.last_scale_reason
+        ),
     )
 
 
 def status_document(status: KVCachePoolStatus) -> dict[str, Any]:
-    return status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    """The status as written (a merge patch): the cache figures keep their empty fields as
+    nulls, so a hit rate with no queries behind it is removed rather than left standing."""
+    doc = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if status.cache is not None:
+        doc["cache"] = status.cache.model_dump(mode="json", by_alias=True)
+    return doc
 
 
 def write_status(
@@ -180,5 +189,12 @@ def write_status(
 
 
 def _same(doc: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether every field we would write already has that value."""
-    return all(current.get(key) == value for key, value in doc.items())
+    """Whether every field we would write already has that value (a null: is absent)."""
+    for key, value in doc.items():
+        if isinstance(value, dict) and key == "cache":
+            have = current.get(key) or {}
+            if any(have.get(k) != v for k, v in value.items()):
+                return False
+        elif current.get(key) != value:
+            return False
+    return True

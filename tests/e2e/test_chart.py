@@ -119,6 +119,7 @@ ALL_OPTIONS: dict[str, Any] = {
         "peering": {"enabled": True, "name": "kvpool-team"},
         "verbose": True,
         "extraEnv": [{"name": "EXTRA", "value": "1"}],
+        "metrics": {"enabled": True, "port": 9102, "from": [{"podSelector": {}}]},
     },
     "rbac": {"serviceMonitors": True},
     "podDisruptionBudget": {"enabled": True, "minAvailable": 1},
@@ -342,6 +343,28 @@ def test_operator_network_policy_admits_only_the_health_port(
     assert [p["name"] for p in container["ports"]] == ["health"]
     off = render(crds, tmp_path, namespace, {"networkPolicy": {"enabled": False}})
     assert "NetworkPolicy" not in {d["kind"] for d in off}
+
+
+def test_operator_metrics_port_is_opt_in_and_admits_the_listed_peers(
+    crds: DevCluster, namespace: str, tmp_path: Path
+) -> None:
+    prometheus = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    values = {"operator": {"metrics": {"enabled": True, "port": 9102, "from": [prometheus]}}}
+    docs = render(crds, tmp_path, namespace, values)
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert {"name": "KVPOOL_OPERATOR_METRICS_PORT", "value": "9102"} in container["env"]
+    assert {"name": "metrics", "containerPort": 9102, "protocol": "TCP"} in container["ports"]
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"port": "health", "protocol": "TCP"}]},
+        {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": [prometheus]},
+    ]
+    # The defaults open no metrics port at all (the test above).
+    env = render(crds, tmp_path, namespace, {})
+    (deploy,) = [d for d in env if d["kind"] == "Deployment"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert all(e["name"] != "KVPOOL_OPERATOR_METRICS_PORT" for e in container["env"])
 
 
 def test_replicas_without_peering_are_refused_with_the_reason(

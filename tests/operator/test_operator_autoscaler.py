@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvpool_operator.autoscaler import ScalerState, Signal, decide, signal
+from kvpool_operator.autoscaler import ScalerState, Signal, decide
+from kvpool_operator.autoscaler import signal_without_curve as signal
 from kvpool_operator.metrics import Observation, ScrapeTarget, observe, scrape_pool
 from kvpool_operator.models import AutoscalingSpec
 

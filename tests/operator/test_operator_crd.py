@@ -120,7 +120,7 @@ def test_status_scale_and_printer_columns() -> None:
         "labelSelectorPath": ".status.selector",
     }
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Replicas", "Ready", "Updated", "Hit rate", "Age"]
+    assert names == ["Replicas", "Ready", "Updated", "Hit rate 5m", "At N-1", "At N+1", "Age"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert status["properties"]["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
 

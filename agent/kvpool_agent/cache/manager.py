@@ -50,6 +50,7 @@ from kvpool_agent.cache.events import (
     RemovalReason,
 )
 from kvpool_agent.cache.eviction.queue import EvictionQueue, effective_priority, new_eviction_queue
+from kvpool_agent.cache.mrc import MissRatioCurve
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.sizing import (
     PoolPlan,
@@ -192,6 +193,8 @@ class KVCacheManager:
         self.stats = CacheStats()
         self.events = EventQueue(config.event_buffer_max_size)
         self.ghost = GhostList(sum(self.plan.primary.group_blocks))
+        self.mrc = MissRatioCurve(self._curve_capacity())
+        """Reuse distances of the accessed blocks (``cache/mrc.py``): hits and stores."""
         self.events.push(AllBlocksCleared())
 
     # ----------------------------------------------------------------- construction
@@ -990,7 +993,8 @@ class KVCacheManager:
             root = self._roots[seq.namespace] = TreeNode(seq.namespace, (), None, self._num_groups)
         parent = seq.nodes[-1] if seq.nodes else root
         tpb = self.tpb
-        for j in range(len(seq.nodes), full):
+        first = len(seq.nodes)
+        for j in range(first, full):
             tokens = tuple(seq.tokens[j * tpb : (j + 1) * tpb])
             node = parent.children.get(tokens)
             if node is None:
@@ -1000,6 +1004,7 @@ class KVCacheManager:
             seq.nodes.append(node)
             parent = node
         seq.committed_blocks = full
+        self.mrc.access_nodes(seq.nodes[first:])
         if self._observers and full > seq.observed:
             keys = [node.key for node in seq.nodes]
             for queue in self._observers:
@@ -1126,6 +1131,12 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- bookkeeping
 
+    def _curve_capacity(self) -> int:
+        """Blocks of the reference group (full attention, else the first) over both tiers:
+        the capacity the miss-ratio curve is a fraction of."""
+        g = self._full if self._full is not None else 0
+        return self.plan.primary.group_blocks[g] + self.plan.secondary.group_blocks[g]
+
     def _block_keys(self, namespace: int, toks: list[int], path: list[TreeNode]) -> list[int]:
         """The node keys of every full block of ``toks``: the matched ones, then the keys the
         rest will be stored under."""
@@ -1174,6 +1185,8 @@ class KVCacheManager:
         stats.capacity_miss_tokens += ghost_blocks * tpb
         for node in path:
             node.hits += 1
+        if self.config.enable_block_reuse:
+            self.mrc.access_nodes(path)
 
     def _handle(self, seq: _Sequence) -> SequenceHandle:
         tables = []

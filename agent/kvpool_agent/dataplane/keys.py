@@ -65,6 +65,8 @@ DIGEST_WORDS = 8
 FILLER_TOKEN = 0
 _PERSON = b"kvpool-key-v1"
 _SEP = "\x1f"
+KEYS_SALT_PREFIX = f"{_SEP}keys{_SEP}"
+"""How ``KeyNamespace.salt`` marks an engine-keyed namespace."""
 
 
 class KeyFormatError(ValueError):
@@ -97,7 +99,7 @@ class KeyNamespace:
 
     def salt(self) -> str:
         """The cache salt of this namespace (the agent scopes it by tenant)."""
-        return f"{_SEP}keys{_SEP}{self.model}{_SEP}{self.rank}{_SEP}{self.layer_group}"
+        return f"{KEYS_SALT_PREFIX}{self.model}{_SEP}{self.rank}{_SEP}{self.layer_group}"
 
 
 def check_keys(keys: Sequence[bytes], max_keys: int) -> list[bytes]:

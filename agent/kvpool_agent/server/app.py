@@ -2,10 +2,10 @@
 
 No cache logic lives here. Every route but ``/healthz``, ``/readyz`` and ``/metrics`` takes
 ``Authorization: Bearer TOKEN`` when the agent has credentials (``kvpool_agent.credentials``):
-a tenant's token for sequences, KV and attention, the pool's peer token for ``/v1/handoff``
-and ``/v1/events``. Errors are 4xx (5xx only for "not now": draining or no free blocks) with
-``{"detail": reason}``; a refused request changes nothing. The OpenAPI spec is served at
-``/openapi.json``.
+a tenant's token for sequences, KV and attention, the pool's peer token for ``/v1/handoff``,
+``/v1/handback`` and ``/v1/events``. Errors are 4xx (5xx only for "not now": draining or no
+free blocks) with ``{"detail": reason}``; a refused request changes nothing. The OpenAPI spec
+is served at ``/openapi.json``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from kvpool_agent.server.models import (
     StatsResponse,
 )
 from kvpool_agent.server.payload import MEDIA_TYPE, PayloadError, decode_tensor, encode_tensor
+from kvpool_agent.server.rebalance import HandbackRequest, export_owned
 from kvpool_agent.server.service import (
     HEAVY_BYTES,
     AgentService,
@@ -302,6 +303,26 @@ def create_app(
         return HandoffResponse(
             chains=result.chains, blocks_written=result.blocks_written, skipped=result.skipped
         )
+
+    @app.post(
+        "/v1/handback",
+        responses={
+            **ERRORS,
+            200: {"content": {"application/octet-stream": {}}},
+            204: {"description": "This agent holds no chain the asking agent owns."},
+        },
+        response_class=Response,
+        tags=["pool"],
+    )
+    async def handback(body: HandbackRequest, _: Peer) -> Response:
+        """A starting agent of the pool (peer token) asks for the chains it owns in the ring
+        it names: a snapshot of them, as ``/v1/handoff`` takes (``server/rebalance.py``)."""
+        if service.draining:
+            raise RequestError(503, "draining: this agent hands nothing back")
+        blob = await export_owned(service, body)
+        if not blob:
+            return Response(status_code=204)
+        return Response(blob, media_type="application/octet-stream")
 
     @app.get("/v1/events", responses=ERRORS, tags=["events"])
     async def replay_events(

@@ -5,10 +5,13 @@ Drain, within ``lifecycle.grace_period_s`` of the signal:
    sequence answers 503; every other call keeps working;
 2. wait for the open sequences to be released, until the handoff reserve of the grace period;
 3. release what is still open (their unwritten KV is dropped);
-4. hand the hottest blocks to the first peer agent that accepts them (``POST /v1/handoff``),
-   else write them to ``lifecycle.snapshot_path`` (atomically: temp file and rename);
+4. hand the hottest blocks over (``POST /v1/handoff``): with ``lifecycle.ring_aware`` (the
+   default) each chain to the ready peer that owns its key once this agent is gone
+   (``server/rebalance.py``), else all to the first peer that accepts them; what no peer
+   took goes to ``lifecycle.snapshot_path`` when set (atomically: temp file and rename);
 5. stop the server.
-A restarted agent of the same geometry loads the snapshot before it reports ready.
+A restarted agent of the same geometry loads the snapshot, then (ring-aware) takes back from
+its ready peers the chains it owns, before it reports ready (``warm_start``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from kvpool_agent.server.rebalance import handoff_by_owner, take_back
 from kvpool_agent.server.service import AgentService
 from kvpool_agent.server.snapshot import ImportResult, SnapshotError
 
@@ -65,9 +69,19 @@ async def drain(service: AgentService, stop: Callable[[], None]) -> str:
 
 
 async def handoff(service: AgentService, deadline: float) -> str:
+    """Hand the hottest blocks over; returns the peers that took them (comma-separated),
+    the snapshot file, or ``none``."""
     cfg = service.config.lifecycle
     if service.engine.num_nodes == 0:
         return "none"
+    if cfg.ring_aware and cfg.handoff_peers:
+        outcome = await handoff_by_owner(service, deadline)
+        if outcome.accepted and not outcome.failed:
+            return outcome.describe()
+        if cfg.snapshot_path:  # what a peer missed (or everything) is kept on disk
+            write_snapshot(Path(cfg.snapshot_path), await service.export_hottest())
+            return ",".join([*sorted(outcome.accepted), cfg.snapshot_path])
+        return outcome.describe()
     blob = await service.export_hottest()
     headers = {"content-type": "application/octet-stream"}
     token = service.credentials.peer_token
@@ -106,13 +120,24 @@ def write_snapshot(path: Path, blob: bytes) -> None:
 
 
 async def warm_start(service: AgentService) -> ImportResult | None:
-    """Load the snapshot named in the config, if any.
+    """Load the snapshot named in the config, if any, then take back from the ready peers the
+    chains this agent owns (``rebalance.take_back``; ring-aware only). Returns what the
+    snapshot file gave.
 
     A snapshot that cannot be loaded (damaged, hostile, of another geometry, unreadable, or
     any error while importing it) is logged and moved aside (``<name>.rejected-<unix time>``,
     kept for inspection, never loaded again) and the agent starts empty: a bad file must not
     keep the agent from starting.
     """
+    result = await _load_snapshot(service)
+    try:
+        await take_back(service)
+    except Exception:  # best effort: the agent starts with what it has
+        log.exception("warm start: taking back owned chains from the peers failed")
+    return result
+
+
+async def _load_snapshot(service: AgentService) -> ImportResult | None:
     path = service.config.lifecycle.snapshot_path
     if not path:
         return None

@@ -5,6 +5,14 @@ usage at scrape time, so nothing is counted twice. Counters only: hit rate is
 ``rate(kvpool_prefix_cache_hits_tokens_total[5m])`` over
 ``rate(kvpool_prefix_cache_queries_tokens_total[5m])``, and the hit rate more capacity would
 buy adds ``kvpool_prefix_cache_capacity_misses_tokens_total``.
+
+The miss-ratio curve (``cache/mrc.py``) is the histogram
+``kvpool_prefix_cache_reuse_distance_capacity_ratio``: accessed blocks by LRU reuse distance
+as a fraction of the capacity (``le``), so bucket ``le=x`` counts the block accesses an LRU
+cache ``x`` times this one would have hit: ``le<=1`` are hits by depth (``le=1`` minus
+``le=0.9``: the hits the coldest 10% served), ``le>1`` capacity misses by how far beyond the
+capacity (``+Inf`` adds the cold ones). The operator's autoscaler predicts the hit rate at
+N±1 replicas from it.
 """
 
 from __future__ import annotations
@@ -13,8 +21,15 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from kvpool_agent.cache.mrc import BOUNDS
 
 if TYPE_CHECKING:
     from kvpool_agent.server.service import AgentService
@@ -52,6 +67,31 @@ class CacheCollector(Collector):
             "kvpool_prefix_cache_capacity_misses_tokens",
             "Missed tokens whose blocks were recently evicted (a bigger cache would have hit).",
             s.capacity_miss_tokens,
+        )
+        curve = engine.mrc.snapshot(adjusted=False)  # counters never go down
+        yield HistogramMetricFamily(
+            "kvpool_prefix_cache_reuse_distance_capacity_ratio",
+            "Accessed blocks (hits and stores) by LRU reuse distance as a fraction of the "
+            "cache's capacity: le=x counts what a cache x times this size would have hit "
+            "(sampled estimate; the miss-ratio curve).",
+            buckets=[
+                *(
+                    (_le(bound), value)
+                    for bound, value in zip(BOUNDS, curve.cumulative, strict=False)
+                ),
+                ("+Inf", curve.cumulative[-1]),
+            ],
+            sum_value=curve.distance_sum,
+        )
+        yield GaugeMetricFamily(
+            "kvpool_prefix_cache_curve_capacity_blocks",
+            "Blocks the reuse-distance histogram's fractions are of (both tiers).",
+            value=curve.capacity,
+        )
+        yield GaugeMetricFamily(
+            "kvpool_prefix_cache_curve_sample_rate",
+            "Share of block keys the miss-ratio curve samples (1: exact).",
+            value=curve.rate,
         )
         evicted = CounterMetricFamily(
             "kvpool_cache_evicted_blocks", "Blocks evicted from each tier.", labels=["tier"]
@@ -209,3 +249,7 @@ class AgentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+
+def _le(bound: float) -> str:
+    return f"{bound:g}"

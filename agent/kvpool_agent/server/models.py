@@ -144,6 +144,11 @@ class StatsResponse(BaseModel):
     queries_tokens: int
     hits_tokens: dict[str, int]
     capacity_miss_tokens: int
+    miss_ratio_curve: dict[str, Any] = Field(
+        description="Accessed blocks by LRU reuse distance as a fraction of capacity_blocks "
+        "(cumulative, sampled estimate): buckets[i].hit_ratio is the hit ratio an LRU cache "
+        "le times this size would have had (cache/mrc.py)."
+    )
     open_sequences: int
     pools: list[dict[str, Any]]
 

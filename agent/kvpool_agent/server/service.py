@@ -34,6 +34,7 @@ from kvpool_agent.cache import (
     UnknownSequenceError,
 )
 from kvpool_agent.cache.manager import _namespace
+from kvpool_agent.cache.mrc import BOUNDS, CurveSnapshot
 from kvpool_agent.config import (
     DEFAULT_PRIORITY,
     AgentConfig,
@@ -165,11 +166,14 @@ def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     so two tenants never share a namespace whatever salts their clients send."""
     if tenant is None:
         return cache_salt
-    suffix = "" if cache_salt is None else f"{_SEP}{cache_salt}"
-    return f"{_SEP}tenant{_SEP}{tenant}{suffix}"
+    suffix = "" if cache_salt is None else f"{SALT_SEP}{cache_salt}"
+    return f"{TENANT_SALT_PREFIX}{tenant}{suffix}"
 
 
-_SEP = "\x1f"
+SALT_SEP = "\x1f"
+"""Separates the parts of an engine salt (ASCII unit separator: no tenant name holds it)."""
+TENANT_SALT_PREFIX = f"{SALT_SEP}tenant{SALT_SEP}"
+"""How ``tenant_salt`` marks a tenant's namespace."""
 
 
 class AgentService:
@@ -899,6 +903,7 @@ class AgentService:
             "queries_tokens": s.queries_tokens,
             "hits_tokens": {"primary": s.hits_tokens[0], "secondary": s.hits_tokens[1]},
             "capacity_miss_tokens": s.capacity_miss_tokens,
+            "miss_ratio_curve": curve_document(self.engine.mrc.snapshot()),
             "evictions": {"primary": s.evictions[0], "secondary": s.evictions[1]},
             "offloads": s.offloads,
             "onboards": s.onboards,
@@ -914,6 +919,22 @@ class AgentService:
             "expired_leases": self.expired_leases,
             "stores_in_flight": len(self.stores),
         }
+
+
+def curve_document(curve: CurveSnapshot) -> dict[str, Any]:
+    """The miss-ratio curve in ``/v1/stats``: cumulative estimated block accesses per bound
+    (a fraction of ``capacity_blocks``; the last entry is every access) and the hit ratio an
+    LRU cache of each size would have had."""
+    total = curve.accesses
+    return {
+        "capacity_blocks": curve.capacity,
+        "sample_rate": curve.rate,
+        "accesses": total,
+        "buckets": [
+            {"le": bound, "accesses": value, "hit_ratio": value / total if total else None}
+            for bound, value in zip(BOUNDS, curve.cumulative, strict=False)
+        ],
+    }
 
 
 HEAVY_BYTES = 1 << 20

@@ -6,6 +6,9 @@ reusable after its whole prefix) and records, parents first, each node's tokens,
 (cache salt), priority and KV of every pool. Import opens the token chain ending at each
 selected leaf with ``recompute_last_token=False``, writes the KV of the blocks the cache did
 not already hold, and releases: the blocks enter the tree exactly as if computed here.
+``export_by_owner`` splits the same selection by the replica that owns each chain (the
+ring-aware handoff, ``server/rebalance.py``): one snapshot per owner, each closed under
+ancestors, so a prefix shared by chains of two owners goes to both.
 
 File / HTTP body format (version 1):
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -131,12 +134,11 @@ def select_hottest(nodes: Iterable[TreeNode], max_blocks: int | None) -> list[Tr
     return order
 
 
-def export_snapshot(
-    engine: KVCacheManager,
-    namespaces: dict[int, Namespace],
-    max_blocks: int | None = None,
-) -> bytes:
-    """Encode the hottest blocks of ``engine``; roots whose salt is unknown are left out."""
+def _known_nodes(
+    engine: KVCacheManager, namespaces: dict[int, Namespace]
+) -> tuple[list[TreeNode], dict[int, int]]:
+    """The nodes of the namespaces whose salt is known (parents first), and the namespace
+    key of every node by ``id``."""
     root_key: dict[int, int] = {}  # node id -> namespace (iter_nodes yields parents first)
     known = []
     for node in engine.iter_nodes():
@@ -146,7 +148,16 @@ def export_snapshot(
         root_key[id(node)] = key
         if key == 0 or key in namespaces:
             known.append(node)
-    nodes = select_hottest(known, max_blocks)
+    return known, root_key
+
+
+def _encode(
+    engine: KVCacheManager,
+    nodes: list[TreeNode],
+    root_key: dict[int, int],
+    namespaces: dict[int, Namespace],
+) -> bytes:
+    """A snapshot of ``nodes`` (closed under ancestors, parents first)."""
     index = {id(n): i for i, n in enumerate(nodes)}
     records = []
     for node in nodes:
@@ -164,6 +175,82 @@ def export_snapshot(
         records.append([salt, list(extra), parent, list(node.tokens), node.priority, frames])
     body = msgpack.packb({"geometry": geometry(engine), "records": records}, use_bin_type=True)
     return _HEADER.pack(MAGIC, VERSION, zlib.crc32(body), len(body)) + body
+
+
+def export_snapshot(
+    engine: KVCacheManager,
+    namespaces: dict[int, Namespace],
+    max_blocks: int | None = None,
+) -> bytes:
+    """Encode the hottest blocks of ``engine``; roots whose salt is unknown are left out."""
+    known, root_key = _known_nodes(engine, namespaces)
+    return _encode(engine, select_hottest(known, max_blocks), root_key, namespaces)
+
+
+OwnerOf = Callable[[Namespace, list[int]], "str | None"]
+"""``owner(namespace, tokens)``: the replica that owns the chains starting with ``tokens``
+(the leading ``affinity_blocks`` blocks of a chain, or all of a shorter one), None when the
+chain cannot be routed from its tokens (engine-keyed chains)."""
+
+
+def owners(
+    nodes: list[TreeNode],
+    root_key: dict[int, int],
+    namespaces: dict[int, Namespace],
+    owner: OwnerOf,
+    affinity_blocks: int,
+) -> dict[int, str | None]:
+    """The owner of every node (by ``id``; ``nodes`` parents first). A node at depth
+    ``affinity_blocks`` or deeper belongs to the owner of its ancestor at that depth, as the
+    clients route every sequence through it there; a shallower node to the owner of a
+    sequence that ends with it."""
+    out: dict[int, str | None] = {}
+    prefix: dict[int, list[int]] = {}
+    for node in nodes:
+        parent = node.parent
+        if node.depth > affinity_blocks and parent is not None and id(parent) in out:
+            out[id(node)] = out[id(parent)]
+            continue
+        above = prefix.get(id(parent), []) if parent is not None else []
+        tokens = above + list(node.tokens)
+        if node.depth < affinity_blocks:
+            prefix[id(node)] = tokens
+        ns = namespaces.get(root_key[id(node)], (None, ()))
+        out[id(node)] = owner(ns, tokens)
+    return out
+
+
+def export_by_owner(
+    engine: KVCacheManager,
+    namespaces: dict[int, Namespace],
+    owner: OwnerOf,
+    affinity_blocks: int,
+    max_blocks: int | None = None,
+    only: str | None = None,
+) -> dict[str | None, bytes]:
+    """The hottest blocks split by owner: one snapshot per owner (None: chains without one),
+    each closed under ancestors (a shared ancestor goes to every owner below it).
+
+    ``only``: just the chains that replica owns (the hottest of them, up to ``max_blocks``);
+    without it the hottest of all chains, up to ``max_blocks`` in all, every one to its owner.
+    """
+    known, root_key = _known_nodes(engine, namespaces)
+    owner_of = owners(known, root_key, namespaces, owner, affinity_blocks)
+    if only is not None:
+        picked = select_hottest([n for n in known if owner_of[id(n)] == only], max_blocks)
+        return {only: _encode(engine, picked, root_key, namespaces)} if picked else {}
+    picked = select_hottest(known, max_blocks)
+    groups: dict[str | None, dict[int, TreeNode]] = {}
+    for node in picked:
+        group = groups.setdefault(owner_of[id(node)], {})
+        walk: TreeNode | None = node
+        while walk is not None and walk.parent is not None and id(walk) not in group:
+            group[id(walk)] = walk
+            walk = walk.parent
+    return {
+        who: _encode(engine, sorted(group.values(), key=lambda n: n.depth), root_key, namespaces)
+        for who, group in groups.items()
+    }
 
 
 def read_snapshot(blob: bytes) -> tuple[dict[str, Any], list[list[Any]]]:
