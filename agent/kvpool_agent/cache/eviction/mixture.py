@@ -113,8 +113,12 @@ class MixturePolicy(SharedPolicy):
         for index, got in enumerate(hits):
             scores[index] = scores[index] * decay + got
         best = max(range(len(scores)), key=scores.__getitem__)
-        if scores[best] > scores[self.leader]:
+        if self.takes_lead(scores[best], scores[self.leader]):
             self._next_leader = best
+
+    def takes_lead(self, challenger: float, leader: float) -> bool:
+        """Whether the best-scoring expert takes the lead (from the next request on)."""
+        return challenger > leader
 
     def leader_holds(self, key: int) -> bool:
         return key in self.shadows[self.leader]
