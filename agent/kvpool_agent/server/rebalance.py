@@ -162,17 +162,7 @@ async def handoff_by_owner(service: AgentService, deadline: float) -> HandoffOut
     ready = await ready_peers(peers, min(READY_TIMEOUT_S, deadline - time.monotonic() - 0.1))
     if not ready:
         return outcome
-    ring = Ring(tuple(ready), service.engine.tpb, cfg.affinity_blocks)
-    parts = await service.call(
-        lambda: export_by_owner(
-            service.engine,
-            service.namespaces,
-            ring.owner,
-            cfg.affinity_blocks,
-            cfg.handoff_max_blocks,
-        ),
-        heavy=True,
-    )
+    parts = await _export(service, Ring(tuple(ready), service.engine.tpb, cfg.affinity_blocks))
     headers = peer_headers(service, "application/octet-stream")
     sends = [(ready[0] if who is None else who, blob) for who, blob in parts.items()]
 
@@ -229,18 +219,26 @@ async def export_owned(service: AgentService, request: HandbackRequest) -> bytes
     owner = normalize(request.owner)
     replicas = tuple(dict.fromkeys([*map(normalize, request.replicas), owner]))
     ring = Ring(replicas, service.engine.tpb, cfg.affinity_blocks)
-    parts = await service.call(
+    return (await _export(service, ring, only=owner)).get(owner, b"")
+
+
+async def _export(
+    service: AgentService, ring: Ring, only: str | None = None
+) -> dict[str | None, bytes]:
+    """The hottest chains split by their owner in ``ring`` (all owners, or ``only``), off the
+    event loop."""
+    cfg = service.config.lifecycle
+    return await service.call(
         lambda: export_by_owner(
             service.engine,
             service.namespaces,
             ring.owner,
             cfg.affinity_blocks,
             cfg.handoff_max_blocks,
-            only=owner,
+            only=only,
         ),
         heavy=True,
     )
-    return parts.get(owner, b"")
 
 
 @dataclass
