@@ -350,7 +350,7 @@ def test_autoscaler_scales_up_under_capacity_misses_and_down_when_load_stops(
     )
     assert before is not None and before < 0.8
     assert after.block_hit_rate > before + 0.1, "a second agent must relieve capacity misses"
-    # The goal is 5 points; measured 0.7 to 5.1 points apart (the issue-27 notes), so the
+    # The goal is 5 points; measured 0.7 to 6.5 points apart (the issue-27 notes), so the
     # test holds the prediction to 10: it checks the curve is used, the figure is reported.
     assert abs(predicted_up - after.token_hit_rate) <= 0.1
     assert len(after.per_replica) == 2
