@@ -17,11 +17,12 @@ by a sequence number of its own, so it keeps plain lists and calls ``compact`` i
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from kvpool_agent.cache.eviction.base import Evictable
+from kvpool_agent.cache.eviction.base import Evictable, LevelQueue
 
 Entry = TypeVar("Entry", bound=tuple[Any, ...])
 
@@ -88,3 +89,32 @@ class LazyHeap(Generic[Entry]):
         bumped yet: its entries count as stale too."""
         current = self.current
         compact(self.entries, live, lambda e: e[-1] is not leaving and current(e))
+
+
+class HeapQueue(LevelQueue):
+    """A level queue kept in one ``LazyHeap`` of entries ``(*rank, order, stamp, block)``:
+    a subclass's ``push`` ranks the block and adds the entry (with ``next(self._order)``, so
+    blocks never compare, and the block's ``queue_stamp``); discarding, popping and counting
+    are the same for every such order."""
+
+    __slots__ = ("_heap", "_live", "_order")
+
+    def __init__(self) -> None:
+        self._heap: LazyHeap[tuple[Any, ...]] = LazyHeap()
+        self._live = 0
+        self._order = itertools.count()  # tie-break: never compare blocks
+
+    def discard(self, block: Evictable) -> None:
+        self._live -= 1
+        self._heap.compact(self._live, leaving=block)
+
+    def pop(self) -> Evictable | None:
+        entry = self._heap.pop()
+        if entry is None:
+            return None
+        self._live -= 1
+        block: Evictable = entry[-1]
+        return block
+
+    def __len__(self) -> int:
+        return self._live

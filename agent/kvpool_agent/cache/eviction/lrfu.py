@@ -12,16 +12,15 @@ node's id is its key).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
 
-from kvpool_agent.cache.eviction.base import Evictable, LevelQueue
-from kvpool_agent.cache.eviction.heap import LazyHeap
+from kvpool_agent.cache.eviction.base import Evictable
+from kvpool_agent.cache.eviction.heap import HeapQueue
 from kvpool_agent.cache.eviction.shadow import ShadowNode
 
 
-class LRFUQueue(LevelQueue):
+class LRFUQueue(HeapQueue):
     """Evict the leaf with the smallest combined recency-frequency value ``C``."""
 
     decay = 1e-5
@@ -30,14 +29,11 @@ class LRFUQueue(LevelQueue):
     """Keys remembered: this many times the capacity (at least ``history_floor``)."""
     history_floor = 65_536
 
-    __slots__ = ("_capacity", "_heap", "_history", "_live", "_order")
+    __slots__ = ("_capacity", "_history")
 
     def __init__(self, capacity: int) -> None:
+        super().__init__()  # entries ``(value, last_used, order, stamp, block)``
         self._capacity = capacity
-        self._heap: LazyHeap[tuple[float, int, int, int, Evictable]] = LazyHeap()
-        """Entries ``(value, last_used, order, stamp, block)``."""
-        self._live = 0
-        self._order = itertools.count()
         self._history: OrderedDict[int, tuple[int, float]] = OrderedDict()
         """Key -> (tick of its last use, ``C`` at that tick)."""
 
@@ -59,17 +55,3 @@ class LRFUQueue(LevelQueue):
         value = self.decay * used + math.log2(crf)
         self._heap.push((value, block.last_used, next(self._order), block.queue_stamp, block))
         self._live += 1
-
-    def discard(self, block: Evictable) -> None:
-        self._live -= 1
-        self._heap.compact(self._live, leaving=block)
-
-    def pop(self) -> Evictable | None:
-        entry = self._heap.pop()
-        if entry is None:
-            return None
-        self._live -= 1
-        return entry[4]
-
-    def __len__(self) -> int:
-        return self._live
