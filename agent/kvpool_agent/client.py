@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,15 @@ def affinity_key(
     h.update((cache_salt or "").encode() + b"\x00")
     h.update(struct.pack(f"<{len(head)}Q", *head))
     return h.digest()
+
+
+def stable_url(pod: str, service: str, namespace: str, port: int) -> str:
+    """A StatefulSet pod's name in the ring: its DNS name behind the pool's headless Service.
+
+    Clients and agents rank these names, not pod IPs, so a pod that comes back under the same
+    name (a rolling restart) owns the same prefixes, and a chain handed to it stays where the
+    clients look for it."""
+    return f"http://{pod}.{service}.{namespace}.svc:{port}"
 
 
 def rendezvous_rank(key: bytes, replicas: Iterable[str]) -> list[str]:
@@ -68,6 +77,9 @@ class PoolClient:
 
     ``token`` is the tenant's bearer token (the ``token`` key of the pool's
     ``<pool>-tenant-<name>`` Secret); without it only an agent without credentials answers.
+    ``addresses`` maps a replica's name in the ring to the base URL to reach it at (pod IPs
+    behind ``stable_url`` names, for a client outside the cluster's DNS); a name without an
+    address is its own URL. Results (``RemoteSequence.replica``) name replicas as ranked.
     """
 
     def __init__(
@@ -79,10 +91,12 @@ class PoolClient:
         timeout: float = 10.0,
         client: httpx.Client | None = None,
         token: str | None = None,
+        addresses: Mapping[str, str] | None = None,
     ) -> None:
         self.replicas = sorted({r.rstrip("/") for r in replicas})
         if not self.replicas:
             raise ValueError("replicas: a pool client needs at least one replica")
+        self.addresses = {k.rstrip("/"): v.rstrip("/") for k, v in (addresses or {}).items()}
         self.tokens_per_block = tokens_per_block
         self.affinity_blocks = affinity_blocks
         self.http = client if client is not None else httpx.Client(timeout=timeout)
@@ -97,12 +111,22 @@ class PoolClient:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def add_replica(self, url: str) -> None:
-        if url.rstrip("/") not in self.replicas:
-            self.replicas = sorted([*self.replicas, url.rstrip("/")])
+    def add_replica(self, url: str, address: str | None = None) -> None:
+        """Rank ``url`` too (reached at ``address`` when given)."""
+        name = url.rstrip("/")
+        if name not in self.replicas:
+            self.replicas = sorted([*self.replicas, name])
+        if address is not None:
+            self.addresses[name] = address.rstrip("/")
 
     def remove_replica(self, url: str) -> None:
-        self.replicas = [r for r in self.replicas if r != url.rstrip("/")]
+        name = url.rstrip("/")
+        self.replicas = [r for r in self.replicas if r != name]
+        self.addresses.pop(name, None)
+
+    def url(self, replica: str) -> str:
+        """Where to send a request for ``replica`` (a name in the ring)."""
+        return self.addresses.get(replica, replica)
 
     def ranking(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[str]:
         key = affinity_key(tokens, self.tokens_per_block, self.affinity_blocks, cache_salt)
@@ -130,7 +154,9 @@ class PoolClient:
         last: Exception | None = None
         for replica in self.ranking(tokens, cache_salt):
             try:
-                resp = self.http.post(f"{replica}/v1/sequences", json=body, headers=self.headers)
+                resp = self.http.post(
+                    f"{self.url(replica)}/v1/sequences", json=body, headers=self.headers
+                )
             except httpx.TransportError as err:
                 last = err
                 continue
@@ -152,7 +178,7 @@ class PoolClient:
 
     def append(self, seq: RemoteSequence, tokens: Sequence[int]) -> dict[str, Any]:
         resp = self.http.post(
-            f"{seq.replica}/v1/sequences/{seq.seq_id}/tokens",
+            f"{self.url(seq.replica)}/v1/sequences/{seq.seq_id}/tokens",
             json={"tokens": list(tokens)},
             headers=self.headers,
         )
@@ -162,7 +188,7 @@ class PoolClient:
 
     def release(self, seq: RemoteSequence, *, discard: bool = False) -> None:
         resp = self.http.delete(
-            f"{seq.replica}/v1/sequences/{seq.seq_id}",
+            f"{self.url(seq.replica)}/v1/sequences/{seq.seq_id}",
             params={"discard": str(discard).lower()},
             headers=self.headers,
         )

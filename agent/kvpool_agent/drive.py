@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from kvpool_agent.client import PoolClient
+from kvpool_agent.client import PoolClient, stable_url
 from kvpool_agent.config import ConfigError
 from kvpool_agent.traces import HitRates, Trace, TraceRequest
 
@@ -134,9 +134,12 @@ class PoolEndpoints:
     """The agents of a KVCachePool as the API server lists them."""
 
     urls: list[str]
+    """Each Running, Ready pod's name in the ring (``client.stable_url``), sorted."""
     tokens_per_block: int
     token: str | None = None
     """The tenant's token from the pool's ``<pool>-tenant-<tenant>`` Secret (None: no Secret)."""
+    addresses: dict[str, str] = field(default_factory=dict)
+    """Name -> ``http://<pod IP>:<port>``: where a client outside the cluster's DNS connects."""
 
 
 def tenant_secret_name(pool: str, tenant: str) -> str:
@@ -151,11 +154,14 @@ def pool_endpoints(
     port: int = AGENT_PORT,
     tenant: str | None = None,
 ) -> PoolEndpoints:
-    """Running, ready pods of pool ``name`` (its ``status.selector``) as agent URLs, and the
-    token of ``tenant`` when given (read from its Secret with the same credentials).
+    """Running, ready pods of pool ``name`` (its ``status.selector``) by their names in the
+    ring, and the token of ``tenant`` when given (read from its Secret with the same
+    credentials).
 
-    Pods are reached by pod IP: the dev cluster gives them loopback IPs but no Service
-    endpoints, and a client inside a real cluster can do the same.
+    A client ranks the pods by their stable names, as the pool's agents do for warm handoff
+    (``client.stable_url``, the pool's headless Service), and reaches them by pod IP: the dev
+    cluster gives pods loopback IPs but no cluster DNS, and a client inside a real cluster
+    can do the same.
     """
     import base64
 
@@ -188,14 +194,18 @@ def pool_endpoints(
                     raise
     finally:
         api_client.close()
-    ips = []
+    addresses = {}
     for pod in pods.items:
         status = pod.status
         if pod.metadata.deletion_timestamp or status is None or status.phase != "Running":
             continue
         ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
         if ready and status.pod_ip:
-            ips.append(status.pod_ip)
+            stable = stable_url(pod.metadata.name, name, namespace, port)
+            addresses[stable] = endpoint_urls([status.pod_ip], port)[0]
     return PoolEndpoints(
-        urls=endpoint_urls(sorted(ips), port), tokens_per_block=tokens_per_block, token=token
+        urls=sorted(addresses),
+        tokens_per_block=tokens_per_block,
+        token=token,
+        addresses=addresses,
     )

@@ -235,26 +235,8 @@ class LoopbackKubelet:
                     continue
                 name = mount.items[key_name] if mount.items else key_name
                 if mount.kind == "configmap":
-                    text = self._translate(text, files.rewrites)
+                    text = project_agent_config(text, files.rewrites, files.pod.name, self.proxies)
                 _write_if_changed(mount.local_dir / name, text)
-
-    def _translate(self, text: str, rewrites: dict[str, str]) -> str:
-        """Agent config files: handoff peers' DNS names -> their ``PeerProxies`` URLs, and
-        paths under a mount (the credential files) -> the pod's local directories."""
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError:
-            return text
-        if not isinstance(doc, dict):
-            return text
-        translated = _rewrite_paths(doc, rewrites)
-        lifecycle = translated.get("lifecycle")
-        if isinstance(lifecycle, dict) and lifecycle.get("handoff_peers"):
-            peers = lifecycle["handoff_peers"]
-            lifecycle["handoff_peers"] = [self.proxies.translate(str(p)) for p in peers]
-        if translated == doc:
-            return text
-        return yaml.safe_dump(translated, sort_keys=False)
 
     def sync(self) -> None:
         """One kubelet-like pass: pod IPs behind the proxies, readiness, changed ConfigMaps."""
@@ -322,6 +304,36 @@ class LoopbackKubelet:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._api_client.close()
+
+
+def project_agent_config(
+    text: str, rewrites: dict[str, str], pod: str, proxies: PeerProxies
+) -> str:
+    """An agent config file as ``pod`` sees it: handoff peers' DNS names -> their
+    ``PeerProxies`` URLs, and paths under a mount (the credential files) -> the pod's local
+    directories; other files as they are.
+
+    The proxy URLs are then the agents' ring (``lifecycle.ring_aware``), so each agent is
+    told its own (``lifecycle.self_url``: the peer named after ``pod``), which it would
+    otherwise find from ``POD_NAME`` in the DNS name. Clients rank the same proxy URLs
+    (``Stack.ring``) and connect to the pods' IPs."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if not isinstance(doc, dict):
+        return text
+    translated = _rewrite_paths(doc, rewrites)
+    lifecycle = translated.get("lifecycle")
+    if isinstance(lifecycle, dict) and lifecycle.get("handoff_peers"):
+        peers = [str(p) for p in lifecycle["handoff_peers"]]
+        lifecycle["handoff_peers"] = [proxies.translate(p) for p in peers]
+        own = [p for p in peers if (urllib.parse.urlsplit(p).hostname or "").startswith(f"{pod}.")]
+        if own and not lifecycle.get("self_url"):
+            lifecycle["self_url"] = proxies.translate(own[0])
+    if translated == doc:
+        return text
+    return yaml.safe_dump(translated, sort_keys=False)
 
 
 def container_argv(argv: Sequence[str], rewrites: dict[str, str]) -> list[str]:

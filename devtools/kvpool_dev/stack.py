@@ -300,6 +300,13 @@ class Stack:
             if key.startswith(prefix) and proc.running()
         }
 
+    def ring(self, urls: dict[str, str]) -> dict[str, str]:
+        """``agent_urls``' pods by their names in the agents' ring (the ``PeerProxies`` URLs
+        the projected configs name), each mapped to its agent URL: what a client ranks and
+        where it connects (``PoolClient(ring, addresses=ring)``), so that prefixes keep
+        their owner across a pod's restart at a new IP, as with StatefulSet DNS names."""
+        return {self.proxies.url_for(self.namespace, pod, 8000): url for pod, url in urls.items()}
+
     def wait_agents_ready(self, name: str, replicas: int, timeout: float = 120) -> dict[str, str]:
         """Until exactly ``replicas`` agents of the pool answer /readyz."""
 
@@ -365,8 +372,10 @@ class Load:
         if self._thread is not None:
             self._thread.join(timeout=120)
 
-    def _urls(self) -> list[str]:
-        return [u for u in self.stack.agent_urls(self.name).values() if agent_ready(u)]
+    def _urls(self) -> dict[str, str]:
+        """Ready agents, by their names in the ring (``Stack.ring``)."""
+        ready = {p: u for p, u in self.stack.agent_urls(self.name).items() if agent_ready(u)}
+        return self.stack.ring(ready)
 
     def _run(self) -> None:
         from kvpool_agent.client import PoolClient
@@ -389,7 +398,9 @@ class Load:
                         self.trace.requests[i : i + self.chunk],
                     )
                     http = httpx.Client(timeout=30.0, trust_env=False)
-                    with PoolClient(urls, tokens_per_block=16, client=http, token=token) as client:
+                    with PoolClient(
+                        urls, tokens_per_block=16, client=http, token=token, addresses=urls
+                    ) as client:
                         result = drive(
                             part,
                             client,

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from kvpool_agent.client import stable_url
 from kvpool_agent.config import LIVE_FIELDS, AgentConfig
 from kvpool_agent.credentials import token_digest
 from kvpool_operator.models import (
@@ -141,7 +142,7 @@ def config_hash(config: AgentConfig) -> str:
 def peer_urls(pool: KVCachePool, replicas: int) -> list[str]:
     """Stable per-pod URLs of a pool (StatefulSet pod DNS names behind the headless Service)."""
     return [
-        f"http://{pool.name}-{i}.{pool.name}.{pool.namespace}.svc:{AGENT_PORT}"
+        stable_url(f"{pool.name}-{i}", pool.name, pool.namespace, AGENT_PORT)
         for i in range(replicas)
     ]
 

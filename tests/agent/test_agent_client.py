@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_agent.client import PoolClient, affinity_key, rendezvous_rank
+from kvpool_agent.client import PoolClient, affinity_key, rendezvous_rank, stable_url
 
 REPLICAS = [f"http://kvpool-{i}.kvpool:8000" for i in range(5)]
 
@@ -63,9 +63,9 @@ def test_ranking_is_a_permutation_independent_of_list_order(
     assert rendezvous_rank(k, sorted(names, reverse=True)) == ranked
 
 
-def test_client_fails_over_to_the_next_ranked_replica_on_503() -> None:
-    seen: list[str] = []
-    draining = set()
+def fake_agents(seen: list[str], draining: set[str]) -> httpx.Client:
+    """An HTTP client whose every host answers like an agent (503 from ``draining`` hosts);
+    ``seen`` records the base URL of each request."""
 
     def handler(request: httpx.Request) -> httpx.Response:
         host = f"http://{request.url.host}:{request.url.port}"
@@ -88,7 +88,13 @@ def test_client_fails_over_to_the_next_ranked_replica_on_503() -> None:
             )
         return httpx.Response(204)
 
-    http = httpx.Client(transport=httpx.MockTransport(handler))
+    return httpx.Client(transport=httpx.MockTransport(handler))
+
+
+def test_client_fails_over_to_the_next_ranked_replica_on_503() -> None:
+    seen: list[str] = []
+    draining: set[str] = set()
+    http = fake_agents(seen, draining)
     pc = PoolClient(REPLICAS, tokens_per_block=4, client=http)
     toks = list(range(20))
     ranked = pc.ranking(toks)
@@ -102,3 +108,26 @@ def test_client_fails_over_to_the_next_ranked_replica_on_503() -> None:
     assert pc.open(toks).replica == ranked[0]
     with pytest.raises(ValueError, match="replicas"):
         PoolClient([], tokens_per_block=4)
+
+
+def test_replicas_are_ranked_by_name_and_reached_at_their_address() -> None:
+    """Pods ranked by their stable names (as the agents rank them for warm handoff) are
+    reached at their IPs; a pod back under the same name at a new IP keeps its prefixes."""
+    names = [stable_url(f"kvp-{i}", "kvp", "ns", 8000) for i in range(3)]
+    assert names[0] == "http://kvp-0.kvp.ns.svc:8000"
+    ips = {n: f"http://10.0.0.{i + 1}:8000" for i, n in enumerate(names)}
+    seen: list[str] = []
+    pc = PoolClient(names, tokens_per_block=4, client=fake_agents(seen, set()), addresses=ips)
+    toks = list(range(20))
+    owner = pc.ranking(toks)[0]
+    assert pc.ranking(toks) == rendezvous_rank(affinity_key(toks, 4, 4), names)
+    seq = pc.open(toks)
+    pc.append(seq, [1, 2, 3])
+    pc.release(seq)
+    assert seq.replica == owner and seen == [ips[owner]] * 3
+    pc.remove_replica(owner)
+    pc.add_replica(owner, "http://10.0.0.9:8000/")  # the replacement pod, a new IP
+    assert pc.replica_for(toks) == owner and pc.open(toks).replica == owner
+    assert seen[-1] == "http://10.0.0.9:8000"
+    unmapped = PoolClient(["http://127.0.0.5:8000"], tokens_per_block=4)
+    assert unmapped.url("http://127.0.0.5:8000") == "http://127.0.0.5:8000"

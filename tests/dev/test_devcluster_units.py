@@ -41,6 +41,7 @@ from kvpool_dev.cluster import (
     process_alive,
     stop_processes,
 )
+from kvpool_dev.kubelet import PeerProxies, project_agent_config
 from kvpool_dev.podagents import PodInfo, command_template, pod_info
 
 
@@ -377,3 +378,30 @@ def test_harness_reports_agents_that_cannot_start_or_exit(tmp_path: Path) -> Non
     crashed = next(p for p in problems if "pod ns/crashing" in p)
     assert "exited with code 3" in crashed and "invalid config" in crashed
     harness.stop()
+
+
+def test_projected_agent_config_names_peers_by_proxy_and_tells_each_agent_its_own() -> None:
+    """The loopback cluster has no DNS for the pods' stable names: peers become the proxies'
+    URLs, the agents' ring, and each pod's config names its own entry as ``self_url``."""
+    proxies = PeerProxies()
+    try:
+        peers = [f"http://kvp-{i}.kvp.ns.svc:8000" for i in range(2)]
+        doc = {
+            "auth": {"tenants_file": "/etc/kvpool/auth/tenants.yaml"},
+            "lifecycle": {"handoff_peers": peers},
+        }
+        text = yaml.safe_dump(doc)
+        one = yaml.safe_load(
+            project_agent_config(text, {"/etc/kvpool/auth": "/tmp/pod/auth"}, "kvp-1", proxies)
+        )
+        ring = [proxies.url_for("ns", f"kvp-{i}", 8000) for i in range(2)]
+        assert one["lifecycle"] == {"handoff_peers": ring, "self_url": ring[1]}
+        assert one["auth"]["tenants_file"] == "/tmp/pod/auth/tenants.yaml"
+        zero = yaml.safe_load(project_agent_config(text, {}, "kvp-0", proxies))
+        assert zero["lifecycle"]["self_url"] == ring[0]
+        # A pod not among the peers (another pool's) is told nothing about itself.
+        other = yaml.safe_load(project_agent_config(text, {}, "kvp-10", proxies))
+        assert "self_url" not in other["lifecycle"]
+        assert project_agent_config("not: [yaml", {}, "kvp-0", proxies) == "not: [yaml"
+    finally:
+        proxies.close()

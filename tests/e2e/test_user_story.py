@@ -71,15 +71,16 @@ def stack(dev_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> 
         dev_cluster.kubectl("delete", "namespace", namespace, release, "--wait=false", check=False)
 
 
-def pool_client(urls: dict[str, str], token: str) -> PoolClient:
-    """A client of the pool as its ``default`` tenant (the agents refuse anonymous calls)."""
+def pool_client(ring: dict[str, str], token: str) -> PoolClient:
+    """A client of the pool as its ``default`` tenant (the agents refuse anonymous calls),
+    ranking the agents by their names in the ring and reaching them at their URLs."""
     http = httpx.Client(timeout=30.0, trust_env=False)
-    return PoolClient(urls.values(), tokens_per_block=16, client=http, token=token)
+    return PoolClient(ring, tokens_per_block=16, client=http, token=token, addresses=ring)
 
 
 def drive_pool(stack: Stack, name: str, trace: Trace, replicas: int) -> DriveResult:
-    urls = stack.wait_agents_ready(name, replicas)
-    with pool_client(urls, stack.tenant_token(name)) as client:
+    ring = stack.ring(stack.wait_agents_ready(name, replicas))
+    with pool_client(ring, stack.tenant_token(name)) as client:
         return drive(trace, client)
 
 
@@ -203,7 +204,11 @@ def test_example_pool_comes_up_serves_hits_scales_and_is_collected(
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     first = json.loads(cli.stdout)
-    assert first["endpoints"] == list(urls.values()) and first["failed"] == 0
+    # Ranked by the pod's stable name (as the agents rank for warm handoff), reached by IP.
+    (pod,) = urls
+    stable = f"http://{pod}.{name}.{ns}.svc:8000"
+    assert first["endpoints"] == [stable] and first["addresses"] == {stable: urls[pod]}
+    assert first["failed"] == 0
     second = drive_pool(stack, name, trace, 1)
     assert second.failed == 0
     # Shared system prompts hit even in the first pass; a second pass hits far more.
@@ -525,6 +530,16 @@ def test_restart_edit_rolls_one_pod_at_a_time_with_warm_handoff(stack: Stack, tr
         p.log_path.read_text() for p in stack.harness.finished() if f"/{SMALL}-" in f"/{p.pod.name}"
     ]
     assert sum("hottest blocks: http://" in log for log in drained) >= 1, drained[-1][-2000:]
+    # Ring-aware (the default): a replacement took back from its peer the chains it owns in
+    # the ring the clients rank (the proxies' URLs here, each agent told its own).
+    took = [
+        int(m.group(1))
+        for key, p in stack.harness.processes().items()
+        if key.startswith(f"{stack.namespace}/{SMALL}-")
+        and (m := re.search(r"took back (\d+) blocks", p.log_path.read_text()))
+    ]
+    print(f"blocks taken back by the replacements: {took}")
+    assert took and max(took) > 0, took
     assert before is not None and after >= 0.8 * before
 
     stack.cluster.kubectl(

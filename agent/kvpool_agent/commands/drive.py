@@ -77,20 +77,22 @@ def run(args: argparse.Namespace) -> int:
         found = pool_endpoints(
             args.pool, args.namespace, args.kubeconfig, tenant=None if token else args.tenant
         )
-        urls = found.urls
+        urls, addresses = found.urls, found.addresses
         token = token or found.token
         tokens_per_block = args.tokens_per_block or found.tokens_per_block
         if not urls:
             raise ConfigError(f"--pool: no Running, Ready pod of {args.namespace}/{args.pool}")
     else:
-        urls = endpoint_urls(args.endpoints.split(","))
+        urls, addresses = endpoint_urls(args.endpoints.split(",")), {}
         if not urls:
             raise ConfigError("--endpoints: no URL given")
 
     console = Console(stderr=True)
     http = httpx.Client(timeout=args.timeout, trust_env=False)  # pod IPs: never via a proxy
     with (
-        PoolClient(urls, tokens_per_block=tokens_per_block, client=http, token=token) as client,
+        PoolClient(
+            urls, tokens_per_block=tokens_per_block, client=http, token=token, addresses=addresses
+        ) as client,
         Progress(
             TextColumn("[bold]drive[/] {task.description}"),
             BarColumn(),
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, completed=result.requests, hit=result.block_hit_rate)
 
         result = drive(trace, client, rate=args.rate, on_request=tick)
-    doc = {**result.as_dict(), "endpoints": urls}
+    doc = {**result.as_dict(), "endpoints": urls, "addresses": addresses}
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
