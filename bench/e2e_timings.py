@@ -8,10 +8,15 @@ chart's ServiceAccount with real agents (``kvpool_dev.stack``), then measures:
 2. 100 pools applied at once (replicas 1, no agents behind the pods) -> all reconciled:
    children created, ``status.observedGeneration`` current and Ready;
 3. the block hit rate of a steady trace load before, during and after a rolling restart
-   (a restart-field edit) with warm handoff on, and the same with it off (the baseline).
+   (a restart-field edit) with the ring-aware warm handoff (the default: each chain to its
+   owner, and the replacement takes its own back), with the first-peer handoff
+   (``lifecycle.ringAware: false``), and with no handoff (the baseline). The load ranks the
+   pods by their names in the agents' ring (``Stack.ring``), as clients in a cluster rank
+   the StatefulSet's DNS names.
 
-    python bench/e2e_timings.py                 # about 6 minutes on the 2-core dev machine
+    python bench/e2e_timings.py                 # about 7 minutes on the 2-core dev machine
     python bench/e2e_timings.py --repeats 1 --pools 20
+    python bench/e2e_timings.py --rolls-only    # only part 3 (keeps the other parts' figures)
 
 Prints a table and writes ``bench/results/e2e_timings.json`` and ``e2e_timings.png``.
 """
@@ -154,11 +159,19 @@ def time_many_pools(stack: Stack, count: int) -> dict[str, float]:
     return {"pools": count, "all_children_s": created_at, "all_ready_s": ready_at}
 
 
-def roll(stack: Stack, trace: Trace, warm_handoff: bool, rate: float) -> dict[str, Any]:
+HANDOFFS = ("ring-aware", "first-peer", "off")
+"""The rolls compared: ``lifecycle.ringAware`` on (the default) or off, and no handoff."""
+
+
+def roll(stack: Stack, trace: Trace, handoff: str, rate: float) -> dict[str, Any]:
     """A restart-field edit under a steady paced load; block hit rates in the round (one pass
     over the slice) before the edit, during the roll, and in the two rounds after it."""
-    name = "roll-warm" if warm_handoff else "roll-cold"
-    apply_docs(stack.cluster, [small_pool(stack.namespace, name, 2, warm_handoff)], stack.workdir)
+    name = f"roll-{handoff}"
+    warm_handoff = handoff != "off"
+    doc = small_pool(stack.namespace, name, 2, warm_handoff)
+    if handoff == "first-peer":
+        doc["spec"]["agent"]["lifecycle"] = {"ringAware": False}
+    apply_docs(stack.cluster, [doc], stack.workdir)
     stack.wait_agents_ready(name, 2)
     old_uids = pod_uids(stack, name)
     with Load(stack, name, trace, rate=rate) as load:
@@ -186,6 +199,7 @@ def roll(stack: Stack, trace: Trace, warm_handoff: bool, rate: float) -> dict[st
     series = timeline(load, edited)
     delete_pool(stack, name)
     return {
+        "handoff": handoff,
         "warm_handoff": warm_handoff,
         "rate": rate,
         "before": load.hit_rate(edited - round_s, edited),
@@ -225,7 +239,7 @@ def plot(rolls: list[dict[str, Any]], path: Path) -> None:
     for r in rolls:
         xs = [x for x, _ in r["timeline"]]
         ys = [y for _, y in r["timeline"]]
-        label = "warm handoff" if r["warm_handoff"] else "no handoff (baseline)"
+        label = _handoff_label(r)
         (line,) = ax.plot(xs, ys, label=label)
         ax.axvline(r["rolled_at_s"], color=line.get_color(), linestyle=":", linewidth=1)
     ax.axvline(0, color="grey", linewidth=1)
@@ -254,6 +268,11 @@ def main() -> int:
     parser.add_argument(
         "--report", type=Path, help="only print the tables of an earlier run's JSON"
     )
+    parser.add_argument(
+        "--rolls-only",
+        action="store_true",
+        help="measure only the rolling restarts (the other figures are kept from the last run)",
+    )
     args = parser.parse_args()
     if args.report is not None:
         report_file(args.report)
@@ -261,7 +280,10 @@ def main() -> int:
     trace = load_trace(story_trace()).head(SLICE)
     RESULTS.mkdir(parents=True, exist_ok=True)
     layout = ensure_built()
+    out = RESULTS / "e2e_timings.json"
     results: dict[str, Any] = {"repeats": args.repeats}
+    if args.rolls_only:
+        results = json.loads(out.read_text()) if out.is_file() else {}
     with tempfile.TemporaryDirectory(prefix="kvpool-e2e-bench-") as tmp:
         work = Path(tmp)
         nodes = (GpuNodeSpec("gpu-node-0", gpus=8), GpuNodeSpec("gpu-node-1", gpus=8))
@@ -279,30 +301,38 @@ def main() -> int:
                 release_namespace="kvpool-many", agents=False, timer_interval=10.0,
             )  # fmt: skip
             with stack, many:
-                results["helm_install_s"] = stack.timings["helm_install_s"]
-                results["operator_credential"] = stack.credential
-                example = yaml.safe_load((EXAMPLES / "cpu-dev.yaml").read_text())
-                example["metadata"]["namespace"] = "bench"
-                runs: dict[str, list[dict[str, float]]] = {"cpu-dev (1 replica)": []}
-                runs["small pool (3 replicas)"] = []
-                for i in range(args.repeats):
-                    console.log(f"apply -> Ready, run {i + 1}/{args.repeats}")
-                    runs["cpu-dev (1 replica)"].append(time_pool(stack, example, 1))
-                    small = small_pool("bench", f"small{i}", 3, True)
-                    runs["small pool (3 replicas)"].append(time_pool(stack, small, 3))
-                results["apply"] = runs
-                console.log(f"{args.pools} pools at once")
-                results["many"] = time_many_pools(many, args.pools)
-                console.log("rolling restart, warm handoff")
-                rolls = [roll(stack, trace, True, args.rate)]
-                console.log("rolling restart, no handoff")
-                rolls.append(roll(stack, trace, False, args.rate))
+                if not args.rolls_only:
+                    measure_apply(stack, many, args, results)
+                rolls = []
+                for handoff in HANDOFFS:
+                    console.log(f"rolling restart, handoff {handoff}")
+                    rolls.append(roll(stack, trace, handoff, args.rate))
                 results["rolls"] = rolls
     report(results)
-    (RESULTS / "e2e_timings.json").write_text(json.dumps(results, indent=2))
+    out.write_text(json.dumps(results, indent=2))
     plot(results["rolls"], RESULTS / "e2e_timings.png")
-    console.print(f"wrote {RESULTS / 'e2e_timings.json'} and {RESULTS / 'e2e_timings.png'}")
+    console.print(f"wrote {out} and {RESULTS / 'e2e_timings.png'}")
     return 0
+
+
+def measure_apply(
+    stack: Stack, many: Stack, args: argparse.Namespace, results: dict[str, Any]
+) -> None:
+    """Parts 1 and 2: apply -> Ready of single pools, and of many pools at once."""
+    results["helm_install_s"] = stack.timings["helm_install_s"]
+    results["operator_credential"] = stack.credential
+    example = yaml.safe_load((EXAMPLES / "cpu-dev.yaml").read_text())
+    example["metadata"]["namespace"] = "bench"
+    runs: dict[str, list[dict[str, float]]] = {"cpu-dev (1 replica)": []}
+    runs["small pool (3 replicas)"] = []
+    for i in range(args.repeats):
+        console.log(f"apply -> Ready, run {i + 1}/{args.repeats}")
+        runs["cpu-dev (1 replica)"].append(time_pool(stack, example, 1))
+        small = small_pool("bench", f"small{i}", 3, True)
+        runs["small pool (3 replicas)"].append(time_pool(stack, small, 3))
+    results["apply"] = runs
+    console.log(f"{args.pools} pools at once")
+    results["many"] = time_many_pools(many, args.pools)
 
 
 def report(results: dict[str, Any]) -> None:
@@ -336,7 +366,7 @@ def report(results: dict[str, Any]) -> None:
     for r in results["rolls"]:
         ratio = (r["during"] or 0.0) / max(base["during"] or 0.0, 1e-9)
         table.add_row(
-            "warm" if r["warm_handoff"] else "off (baseline)",
+            _handoff_label(r),
             _pct(r["before"]),
             f"{_pct(r['during'])} ({ratio:.2f}x baseline)",
             _pct(r["first_round_after"]),
@@ -345,6 +375,12 @@ def report(results: dict[str, Any]) -> None:
             str(r["failed_during"]),
         )
     console.print(table)
+
+
+def _handoff_label(roll: dict[str, Any]) -> str:
+    """Rolls of older result files have only ``warm_handoff`` (the first-peer handoff then)."""
+    handoff = roll.get("handoff") or ("first-peer" if roll["warm_handoff"] else "off")
+    return {"off": "no handoff (baseline)"}.get(handoff, f"{handoff} handoff")
 
 
 def _pct(value: float | None) -> str:
