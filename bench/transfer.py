@@ -6,7 +6,15 @@ threads (one connection each). Baselines measured in the same run, moving the sa
 
 - raw TCP: a minimal server process (one thread per connection, ``recv_into``/``sendall``
   of a preallocated buffer, a 1-byte ack per PUT) with the same client threads;
-- memcpy: one ``torch`` copy of the same bytes between two host buffers (one thread).
+- memcpy: one ``torch`` copy of the same bytes between two host buffers (one thread), and
+  the same with as many threads as clients (the baseline of the shared-memory rows).
+
+Shared memory (the same-node path, ``transfer.unix_socket``): the same agent also listens on
+a Unix socket; ``kvpool_agent.dataplane.shm.ShmClient`` (one per client thread) maps the
+agent's arena and moves the same bytes by copying (PUT: reserve, copy in, commit; GET:
+GET_SHM names the leased blocks, copy out). Its rows give GB/s and the ratio to a memcpy of
+the same bytes by as many threads, measured in the same rounds (best against best, and the
+median of the per-round ratios).
 
 Block payloads: 2 MiB (32 layers x 8 kv heads x 128 dim x 16 tokens x bf16, K and V) and
 128 KiB (16 layers x 1 kv head x 128 dim x 16 tokens x bf16: a tensor-parallel slice).
@@ -52,6 +60,7 @@ from rich.table import Table
 
 from kvpool_agent.dataplane.client import TransferClient
 from kvpool_agent.dataplane.keys import KeyNamespace
+from kvpool_agent.dataplane.shm import ShmClient
 
 console = Console()
 NS = KeyNamespace("bench")
@@ -110,6 +119,12 @@ class Row:
     memcpy_gbps: float
     protocol_rounds: list[float]
     raw_tcp_rounds: list[float]
+    shm_gbps: float
+    """Same-node path (shared memory), best round."""
+    shm_rounds: list[float]
+    memcpy_par_gbps: float
+    """memcpy of the same bytes with one thread per client (the shm rows' baseline)."""
+    memcpy_par_rounds: list[float]
 
     @property
     def ratio(self) -> float:
@@ -122,6 +137,17 @@ class Row:
         they saw about the same load from the machine's other work)."""
         pairs = zip(self.protocol_rounds, self.raw_tcp_rounds, strict=True)
         return statistics.median(p / r for p, r in pairs)
+
+    @property
+    def shm_ratio(self) -> float:
+        """Shared memory against memcpy of the same bytes by as many threads (best rounds)."""
+        return self.shm_gbps / self.memcpy_par_gbps
+
+    @property
+    def shm_paired_ratio(self) -> float:
+        """Median over rounds of shared memory / memcpy of the same round (back to back)."""
+        pairs = zip(self.shm_rounds, self.memcpy_par_rounds, strict=True)
+        return statistics.median(s / m for s, m in pairs)
 
 
 def free_port() -> int:
@@ -142,7 +168,11 @@ class AgentProcess:
             "device": "cpu",
             "cpu_budget_bytes": budget,
             "events": {"endpoint": None, "replay_endpoint": None},
-            "transfer": {"port": self.transfer, "max_lease_ttl_s": 3600},
+            "transfer": {
+                "port": self.transfer,
+                "max_lease_ttl_s": 3600,
+                "unix_socket": str(tmp / f"agent-{self.transfer}.sock"),
+            },
         }
         config = tmp / f"agent-{self.transfer}.yaml"
         config.write_text(yaml.safe_dump(doc))
@@ -164,6 +194,7 @@ class AgentProcess:
                 raise RuntimeError("agent not ready: " + self.log.read_text())
             time.sleep(0.1)
         self.address = f"127.0.0.1:{self.transfer}"
+        self.unix_socket = str(tmp / f"agent-{self.transfer}.sock")
 
     def stop(self) -> None:
         self.proc.kill()
@@ -251,6 +282,59 @@ def bench_protocol(
             for lease in leases:
                 client.release(lease)
         client.close()
+
+
+def bench_shm(path: str, op: str, clients: int, blocks: int, seconds: float, run: int) -> float:
+    """The same work as ``bench_protocol`` over the same-node path (a client per thread)."""
+    shms = [ShmClient(path, timeout=120) for _ in range(clients)]
+    geo = shms[0].geometry()
+    kv = [torch.randn(geo.kv_shape(p.index, blocks)).to(torch.bfloat16) for p in geo.pools]
+    nbytes = blocks * geo.block_bytes
+    counter = [0] * clients
+    leases = []
+    if op == "put":
+
+        def work(i: int) -> int:
+            counter[i] += 1
+            shms[i].put(NS, keys(f"shm-put/{run}/{clients}/{i}/{counter[i]}", blocks), kv)
+            return nbytes
+
+    else:
+        for i in range(clients):
+            chain = keys(f"shm-get/{run}/{clients}/{i}", blocks)
+            shms[i].put(NS, chain, kv)
+            lease = shms[i].lease(NS, chain, ttl_s=3600)
+            assert lease is not None and lease.count == blocks
+            leases.append(lease)
+        outs = [shms[i].empty_kv(blocks) for i in range(clients)]
+
+        def work(i: int) -> int:
+            shms[i].get_into(leases[i], outs[i])
+            return nbytes
+
+    try:
+        return run_threads(clients, seconds, work)
+    finally:
+        for i, lease in enumerate(leases):
+            shms[i].release(lease)  # ends the reads too
+        for c in shms:
+            c.close()
+
+
+def bench_memcpy_threads(nbytes: int, clients: int, seconds: float) -> float:
+    """memcpy of ``nbytes`` per copy, one pair of buffers per thread."""
+    pairs = []
+    for _ in range(clients):
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        src.random_(0, 255)
+        pairs.append((src, torch.empty_like(src)))
+
+    def work(i: int) -> int:
+        src, dst = pairs[i]
+        dst.copy_(src)
+        return nbytes
+
+    return run_threads(clients, seconds, work)
 
 
 def bench_raw(port: int, op: str, clients: int, nbytes: int, seconds: float) -> float:
@@ -353,7 +437,7 @@ def main() -> None:
         block = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * TPB * 2
         blocks = args.blocks * ((2 << 20) // block)  # same bytes per request for both
         plans.append((name, model, block, blocks))
-    steps = len(plans) * 2 * 2 * 2 * args.rounds + 1
+    steps = len(plans) * 2 * 2 * 4 * args.rounds + 1
     with Progress(console=console, transient=True) as bar, tempfile.TemporaryDirectory() as tmp:
         task = bar.add_task("transfer", total=steps)
         for run, (name, model, block, blocks) in enumerate(plans):
@@ -365,8 +449,24 @@ def main() -> None:
             try:
                 for clients in (1, 4):
                     for op in ("put", "get"):
-                        protos, tcps = [], []
+                        protos, tcps, shms, mems = [], [], [], []
                         for r in range(args.rounds):
+                            bar.update(task, description=f"{name} {op} x{clients}: memcpy")
+                            mems.append(bench_memcpy_threads(nbytes, clients, args.seconds) / 1e9)
+                            bar.advance(task)
+                            bar.update(task, description=f"{name} {op} x{clients}: shm")
+                            shms.append(
+                                bench_shm(
+                                    agent.unix_socket,
+                                    op,
+                                    clients,
+                                    blocks,
+                                    args.seconds,
+                                    run * 100 + r,
+                                )
+                                / 1e9
+                            )
+                            bar.advance(task)
                             bar.update(task, description=f"{name} {op} x{clients}: protocol")
                             protos.append(
                                 bench_protocol(
@@ -395,6 +495,10 @@ def main() -> None:
                                 memcpy / 1e9,
                                 protos,
                                 tcps,
+                                max(shms),
+                                shms,
+                                max(mems),
+                                mems,
                             )
                         )
                 if name == "2MiB":
@@ -406,10 +510,12 @@ def main() -> None:
                 raw.stop()
     table = Table(
         title=f"transfer protocol vs raw TCP vs memcpy ({args.blocks * 2} MiB per request, "
-        f"loopback, {os.cpu_count()} CPUs, best of {args.rounds} alternating rounds)"
+        f"loopback, {os.cpu_count()} CPUs, best of {args.rounds} alternating rounds); "
+        "shared memory vs memcpy by as many threads, alternated"
     )
     for col in ("payload", "op", "clients", "protocol GB/s", "raw TCP GB/s", "memcpy GB/s",
-                "best / best", "paired median"):  # fmt: skip
+                "best / best", "paired median", "shm GB/s", "memcpy xN GB/s",
+                "shm / memcpy", "shm paired"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -421,6 +527,10 @@ def main() -> None:
             f"{r.memcpy_gbps:.2f}",
             f"{r.ratio:.2f}",
             f"{r.paired_ratio:.2f}",
+            f"{r.shm_gbps:.2f}",
+            f"{r.memcpy_par_gbps:.2f}",
+            f"{r.shm_ratio:.2f}",
+            f"{r.shm_paired_ratio:.2f}",
         )
     console.print(table)
     rounds = ", ".join(f"{r['p50_ms']:.3f}/{r['p99_ms']:.3f}" for r in lookup["rounds"])
@@ -438,7 +548,16 @@ def main() -> None:
         "rounds": args.rounds,
         "eviction_policy": args.eviction_policy or "default (mixture)",
         "seconds_per_round": args.seconds,
-        "rows": [{**asdict(r), "ratio": r.ratio, "paired_ratio": r.paired_ratio} for r in rows],
+        "rows": [
+            {
+                **asdict(r),
+                "ratio": r.ratio,
+                "paired_ratio": r.paired_ratio,
+                "shm_ratio": r.shm_ratio,
+                "shm_paired_ratio": r.shm_paired_ratio,
+            }
+            for r in rows
+        ],
         "lookup": lookup,
     }
     stem = "transfer" if args.eviction_policy is None else f"transfer_{args.eviction_policy}"
@@ -455,10 +574,17 @@ def _plot(rows: list[Row], lookup: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 4.5))
     labels = [f"{r.payload}\n{r.op} x{r.clients}" for r in rows]
     x = range(len(rows))
-    for k, (name, attr) in enumerate(
-        (("protocol", "protocol_gbps"), ("raw TCP", "raw_tcp_gbps"), ("memcpy", "memcpy_gbps"))
-    ):
-        ax.bar([i + (k - 1) * 0.27 for i in x], [getattr(r, attr) for r in rows], 0.27, label=name)
+    series = (
+        ("protocol", "protocol_gbps"),
+        ("raw TCP", "raw_tcp_gbps"),
+        ("memcpy", "memcpy_gbps"),
+        ("shared memory", "shm_gbps"),
+        ("memcpy (as many threads)", "memcpy_par_gbps"),
+    )
+    width = 0.16
+    for k, (name, attr) in enumerate(series):
+        heights = [getattr(r, attr) for r in rows]
+        ax.bar([i + (k - 2) * width for i in x], heights, width, label=name)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("GB/s")
     ax.set_title(
@@ -466,7 +592,7 @@ def _plot(rows: list[Row], lookup: dict[str, Any], path: Path) -> None:
         f"(LOOKUP of 64 keys: p50 {lookup.get('p50_ms', 0):.2f} ms, "
         f"p99 {lookup.get('p99_ms', 0):.2f} ms)"
     )
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -203,6 +203,8 @@ ZMQ_ENDPOINT_PATTERN = (
 """What ``events.endpoint``/``replay_endpoint`` accept: ``tcp://HOST:PORT`` (a ``*`` port: any
 free one) or ``ipc://PATH``."""
 
+UNIX_PATH_MAX = 108
+"""Bytes of a Unix socket address (Linux's ``sun_path``, its terminating NUL included)."""
 PEER_URL_PATTERN = r"^https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?/?$"
 """What a handoff peer may be: a plain http(s) base URL, no path, query or credentials."""
 
@@ -376,6 +378,44 @@ class TransferConfig(_Model):
     max_lease_ttl_s: float = Field(
         600.0, gt=0, description="Longest lease a request may ask for (longer asks get this)."
     )
+    unix_socket: str | None = Field(
+        None,
+        description="Absolute path of a Unix socket speaking the same protocol (same AUTH) "
+        "plus the same-node ops: an engine on this node maps the agent's arena (its memfd, "
+        "handed over after AUTH) and copies KV itself; unset (null) disables it, and the arena "
+        "is then allocated as before.",
+    )
+    unix_socket_mode: int = Field(
+        0o600,
+        ge=0,
+        le=0o777,
+        description="Permission bits of the Unix socket (0600: the agent's user only; 0660 "
+        "lets its group connect). Connecting still needs a token when auth is on.",
+    )
+
+    @field_validator("unix_socket")
+    @classmethod
+    def _unix_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith("/"):
+            raise ValueError(f"transfer.unix_socket: an absolute path, got {value!r}")
+        if len(value.encode()) >= UNIX_PATH_MAX:
+            raise ValueError(
+                f"transfer.unix_socket: at most {UNIX_PATH_MAX - 1} bytes (the kernel's "
+                f"sun_path), got {len(value.encode())}"
+            )
+        return value
+
+    @field_validator("unix_socket_mode")
+    @classmethod
+    def _unix_mode(cls, value: int) -> int:
+        if value & 0o007:
+            raise ValueError(
+                f"transfer.unix_socket_mode: {value:#o} lets any local user connect; "
+                "use 0600 or 0660 (the owner's group)"
+            )
+        return value
 
 
 class RetentionDefaults(_Model):

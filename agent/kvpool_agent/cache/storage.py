@@ -16,6 +16,9 @@ group to another needs no reallocation: rebalancing only changes which ids are h
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import torch
 
 from kvpool_agent.cache.sizing import PoolPlan, PoolSpec, TierPlan
@@ -44,6 +47,42 @@ class TierStorage:
             self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.views: list[torch.Tensor] = [self._pool_view(p) for p in plan.pools]
         """One paged tensor per pool, indexed by the pool's index."""
+        self.shared_fd: int | None = None
+        """The memfd behind the arena once ``share`` moved it there (None: private memory)."""
+        self._mapping: mmap.mmap | None = None
+
+    def share(self) -> int:
+        """Move a CPU arena into a memfd and return its fd, so that a same-node engine can
+        map the very bytes the pools use (``transfer.unix_socket``). The contents are copied
+        and the pool views rebuilt over the new memory; call it before anyone caches a view
+        or a pointer into the arena (the transfer server does, at construction). Idempotent.
+        A memfd has no name in any file system: only a process the fd is handed to (over
+        the Unix socket, after AUTH) can map it."""
+        if self.shared_fd is not None:
+            return self.shared_fd
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"tier on {self.device}: only a CPU arena can live in shared memory "
+                "(a CUDA arena is exported with CUDA IPC instead)"
+            )
+        nbytes = self.nbytes
+        fd = os.memfd_create("kvpool-arena", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            mapping = mmap.mmap(fd, max(nbytes, 1))
+        except BaseException:
+            os.close(fd)
+            raise
+        arena = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes) if nbytes else None
+        if arena is not None:
+            arena.copy_(self.arena)
+            if torch.cuda.is_available() and self.arena.is_pinned():  # a CUDA host tier
+                _cuda_host_register(arena)
+            self.arena = arena
+            self.views = [self._pool_view(p) for p in self.plan.pools]
+        self._mapping = mapping
+        self.shared_fd = fd
+        return fd
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +108,16 @@ class TierStorage:
         """Ids a group can address in this arena (owned or not)."""
         block_bytes = self.plan.groups[group].block_bytes
         return self.nbytes // block_bytes if block_bytes else 0
+
+
+def _cuda_host_register(arena: torch.Tensor) -> None:
+    """Page-lock a shared host arena for fast device copies, as ``pin_memory`` did for the
+    private one (``cudaHostRegister`` on the mapping; portable so any context may use it)."""
+    cudart = torch.cuda.cudart()
+    host_register_portable = 1
+    err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), host_register_portable)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the shared host arena failed: {err}")
 
 
 def copy_group_blocks(

@@ -185,19 +185,24 @@ class _Connection:
         timeout: float,
         connect_timeout: float,
         checksums: bool,
+        sock: socket.socket | None = None,
     ) -> None:
         self.replica = replica
         self.checksums = checksums
         self.timeout = timeout
-        host, port = _parse_replica(replica)
-        self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        if sock is None:
+            host, port = _parse_replica(replica)
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+        self.sock = sock
+        """Connected: TCP to ``replica``, or a Unix socket the same-node client opened."""
         # A blocking socket whose kernel timeouts bound each call: one system call per
         # receive (a Python socket timeout adds a poll before each).
         self.sock.settimeout(None)
         timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.sock.family != socket.AF_UNIX:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.next_id = 1
         self.broken = False
         self.sent_any = False
@@ -210,6 +215,7 @@ class _Connection:
         except BaseException:
             self.close()
             raise
+        self.auth_reply = meta
         self.geometry = Geometry(
             tokens_per_block=int(meta["tokens_per_block"]),
             pools=tuple(PoolLayout.from_meta(p) for p in meta["pools"]),
@@ -283,14 +289,28 @@ class _Connection:
         self._recv_exact(memoryview(big))
         return bytes(big)
 
+    def _recv_fds(self, fds: list[int]) -> None:
+        """Read the start of a reply with the file descriptors attached to it (the reply is
+        the next thing on the connection: nothing may be read ahead)."""
+        if self._r1 != self._r0:
+            raise ConnectionError("a reply carrying descriptors was read ahead of")
+        msg, got, _, _ = socket.recv_fds(self.sock, len(self._buf), 4)
+        fds.extend(got)
+        if not msg:
+            raise ConnectionError("the agent closed the connection")
+        self._buf[: len(msg)] = msg
+        self._r0, self._r1 = 0, len(msg)
+
     def request(
         self,
         op: Op,
         meta: dict[str, Any],
         data: list[memoryview] | None = None,
         into: list[memoryview] | None = None,
+        fds: list[int] | None = None,
     ) -> tuple[Header, dict[str, Any]]:
-        """Send one request and read its reply (its data into ``into``)."""
+        """Send one request and read its reply (its data into ``into``; file descriptors
+        sent with it, over a Unix socket, appended to ``fds``)."""
         rid = self.next_id
         self.next_id += 1
         self.sent_any = False
@@ -303,6 +323,8 @@ class _Connection:
                 crc = zlib.crc32(buf, crc)
         try:
             self._send([frame(op, rid, meta, data_len=nbytes, crc=crc), *data])
+            if fds is not None:
+                self._recv_fds(fds)
             head = unpack_header(self._recv_bytes(HEADER_SIZE))
             reply = unpack_meta(self._recv_bytes(head.meta_len))
             if head.request_id != rid and head.request_id != 0:

@@ -52,6 +52,17 @@ class Op(enum.IntEnum):
     RELEASE = 5
     GET = 6
     PUT = 7
+    # Same-node ops (the Unix socket only, docs/dataplane.md "Same node"): the engine maps
+    # the agent's arena and copies itself; these frames carry block ids, never KV bytes.
+    MAP = 8
+    GET_SHM = 9
+    PUT_SHM = 10
+    COMMIT = 11
+    ABORT = 12
+
+
+SHM_OPS = frozenset({Op.MAP, Op.GET_SHM, Op.PUT_SHM, Op.COMMIT, Op.ABORT})
+"""Ops a TCP connection may not use (they name memory only a local peer can map)."""
 
 
 OPS_WITH_DATA = frozenset({Op.PUT})

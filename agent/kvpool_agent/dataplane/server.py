@@ -22,6 +22,14 @@ The sockets are used directly (non-blocking, woken by the loop's reader/writer c
 rather than through asyncio transports: a transport may keep a memoryview of the pool after
 ``write`` returns, and a GET must know when the bytes have left the pinned blocks. A pool
 that is not in CPU memory (a CUDA primary tier) is staged through a host buffer.
+
+Same node (``transfer.unix_socket``): the same protocol on a Unix socket, plus ops that move
+no KV bytes (docs/dataplane.md "Same node"). After AUTH, MAP hands the arena's memfd over
+(SCM_RIGHTS; a CUDA arena's IPC handle instead), GET_SHM takes a read of a lease's blocks
+and names them by id, PUT_SHM reserves a chain's new blocks (``begin_store`` with a TTL), the
+engine copies into or out of its mapping itself, and COMMIT finishes the store as a TCP PUT
+does. Reads end on RELEASE of their lease; reservations expire like leases; both end when
+their connection closes.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import select
 import socket
+import stat
 import threading
 import time
 import zlib
@@ -43,6 +53,7 @@ import torch
 
 from kvpool_agent.cache import CacheError
 from kvpool_agent.credentials import AuthError, Principal
+from kvpool_agent.dataplane.cuda_ipc import export_arena
 from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.dataplane.protocol import (
     BAD_FRAME,
@@ -50,9 +61,12 @@ from kvpool_agent.dataplane.protocol import (
     F_CRC,
     F_ERROR,
     F_RESPONSE,
+    FORBIDDEN,
     HEADER_SIZE,
     INVALID,
+    NOT_FOUND,
     OPS_WITH_DATA,
+    SHM_OPS,
     TOO_LARGE,
     UNAUTHENTICATED,
     UNAVAILABLE,
@@ -65,7 +79,13 @@ from kvpool_agent.dataplane.protocol import (
     unpack_header,
     unpack_meta,
 )
-from kvpool_agent.server.service import AgentService, RequestError, Store, engine_status
+from kvpool_agent.server.service import (
+    AgentService,
+    Lease,
+    RequestError,
+    Store,
+    engine_status,
+)
 
 log = logging.getLogger("kvpool.agent.transfer")
 
@@ -105,6 +125,16 @@ class _PoolMemory:
     block_stride: int
     layer_stride: int
 
+    def to_meta(self, num_blocks: int) -> dict[str, Any]:
+        """Where a same-node peer finds the pool in its mapping of the arena (MAP reply)."""
+        return {
+            "index": self.layout.index,
+            "base": self.base,
+            "layer_stride": self.layer_stride,
+            "block_stride": self.block_stride,
+            "blocks": num_blocks,
+        }
+
     def offsets(self, layers: list[int], blocks: list[int]) -> np.ndarray:
         """Arena offsets of ``view[layer, block]`` for each layer, then block: ``[L, B]``."""
         rows = np.asarray(layers, dtype=np.int64)[:, None] * self.layer_stride
@@ -129,20 +159,34 @@ def pool_layouts(service: AgentService) -> tuple[PoolLayout, ...]:
 
 
 class TransferServer:
-    """The transfer port of one agent (``transfer.port`` on the server host)."""
+    """The transfer port of one agent (``transfer.port`` on the server host) and its
+    same-node Unix socket (``transfer.unix_socket``), either or both."""
 
     def __init__(
-        self, service: AgentService, *, host: str | None = None, port: int | None = None
+        self,
+        service: AgentService,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        unix_socket: str | None = None,
     ) -> None:
         self.service = service
         self.config = service.config.transfer
         self.host = service.config.server.host if host is None else host
         requested = self.config.port if port is None else port
-        if requested is None:
-            raise ValueError("transfer.port is unset: the transfer port is disabled")
+        self.unix_path = self.config.unix_socket if unix_socket is None else unix_socket
+        if requested is None and self.unix_path is None:
+            raise ValueError(
+                "transfer.port and transfer.unix_socket are unset: the transfer port is disabled"
+            )
         self.requested_port = requested
         self.layouts = pool_layouts(service)
         engine = service.engine
+        self.shared_fd: int | None = None
+        """The primary arena's memfd (same node on a CPU agent). Moved there before any
+        view or pointer into the arena is taken below."""
+        if self.unix_path is not None and engine.device.type == "cpu":
+            self.shared_fd = engine.storage[0].share()
         self.direct = engine.device.type == "cpu"
         """Pools in CPU memory are read and written in place; else staged (tests may turn
         this off on a CPU agent to exercise the staged path)."""
@@ -162,15 +206,32 @@ class TransferServer:
         if self.direct:
             self.arena = tensor_bytes(engine.storage[0].arena)
         self._sock: socket.socket | None = None
+        self._unix: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
+        self._accept_unix: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.port = 0
+
+    def pool_memory(self) -> list[dict[str, Any]]:
+        """Each pool's place in the primary arena (MAP reply)."""
+        engine = self.service.engine
+        return [
+            m.to_meta(engine.storage[0].num_blocks(engine.plan.pools[m.layout.index].group))
+            for m in self.memory
+        ]
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Bind and listen (``port`` is then the bound port) and accept connections."""
+        """Bind and listen (``port`` is then the bound port; the Unix socket, if any, gets
+        ``transfer.unix_socket_mode``) and accept connections."""
         loop = asyncio.get_running_loop()
+        if self.unix_path is not None:
+            self._unix = _bind_unix(self.unix_path, self.config.unix_socket_mode)
+            self._accept_unix = loop.create_task(self._accept(self._unix, local=True))
+            log.info("transfer socket listening on %s", self.unix_path)
+        if self.requested_port is None:
+            return
         infos = socket.getaddrinfo(
             self.host, self.requested_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
@@ -186,19 +247,27 @@ class TransferServer:
             raise
         self._sock = sock
         self.port = int(sock.getsockname()[1])
-        self._accept_task = loop.create_task(self._accept())
+        self._accept_task = loop.create_task(self._accept(sock, local=False))
         log.info("transfer port listening on %s:%d", self.host, self.port)
 
     async def stop(self) -> None:
-        """Stop accepting, close every connection (aborting in-flight stores)."""
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
-            self._accept_task = None
+        """Stop accepting, close every connection (aborting in-flight stores and
+        reservations, ending same-node reads)."""
+        for task in (self._accept_task, self._accept_unix):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._accept_task = self._accept_unix = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
+            assert self.unix_path is not None
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
         tasks = list(self._connections)
         for task in tasks:
             task.cancel()
@@ -206,12 +275,11 @@ class TransferServer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _accept(self) -> None:
+    async def _accept(self, listener: socket.socket, *, local: bool) -> None:
         loop = asyncio.get_running_loop()
-        assert self._sock is not None
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._sock)
+                conn, _ = await loop.sock_accept(listener)
             except OSError as err:
                 log.warning("transfer port: accept failed: %s", err)
                 await asyncio.sleep(0.05)
@@ -236,7 +304,7 @@ class TransferServer:
                 self._connections.add(refused)
                 refused.add_done_callback(self._connections.discard)
                 continue
-            task = loop.create_task(Connection(self, conn).serve())
+            task = loop.create_task(Connection(self, conn, local=local).serve())
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
@@ -457,6 +525,28 @@ async def _linger_close(sock: socket.socket) -> None:
         sock.close()
 
 
+def _bind_unix(path: str, mode: int) -> socket.socket:
+    """A listening Unix socket at ``path`` with permission bits ``mode``. A stale socket
+    there (an agent that died) is replaced; any other file is left alone (an error). The
+    socket is created with no permissions (umask-proof) and opened up to ``mode`` only after
+    bind, so no other user can connect in between."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"transfer.unix_socket: {path} exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.fchmod(sock.fileno(), 0)  # Linux: the bound inode takes the socket's mode
+        sock.bind(path)
+        os.chmod(path, mode)
+        sock.listen(512)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def _refuse(sock: socket.socket, refusal: bytes) -> None:
     with contextlib.suppress(OSError):
         sock.send(refusal)
@@ -476,6 +566,8 @@ class _Reply:
     """Builds ``head`` and ``data`` just before sending (GET: checksum, staging)."""
     finish: Callable[[], Awaitable[None]] | None = None
     """Runs once the reply is sent, or dropped (a GET ends its read)."""
+    fds: list[int] = field(default_factory=list)
+    """File descriptors sent with the header (SCM_RIGHTS: MAP over the Unix socket)."""
 
 
 def _reply(request: Header, meta: dict[str, Any] | None = None) -> bytes:
@@ -498,8 +590,15 @@ def _wake(fut: asyncio.Future[None]) -> None:
 class Connection:
     """One client connection: AUTH first, then requests in order."""
 
-    def __init__(self, server: TransferServer, sock: socket.socket) -> None:
+    def __init__(self, server: TransferServer, sock: socket.socket, *, local: bool = False) -> None:
         self.server = server
+        self.local = local
+        """A Unix socket connection: the same-node ops are allowed."""
+        self.reads: dict[int, list[Lease]] = {}
+        """Same-node reads (GET_SHM) taken by this connection, by lease id: they end on
+        RELEASE of the lease or when the connection closes."""
+        self.reservations: dict[int, Store] = {}
+        """Same-node reservations (PUT_SHM) of this connection awaiting COMMIT or ABORT."""
         self.service = server.service
         self.config = server.config
         self.sock = sock
@@ -655,7 +754,22 @@ class Connection:
             log.exception("transfer connection failed")
         finally:
             await self._shutdown(closing)
+            await asyncio.shield(self._end_same_node())
             svc.transfer.connections -= 1
+
+    async def _end_same_node(self) -> None:
+        """A closed connection's same-node reads end and its reservations are aborted (a
+        client that died mid-transfer leaks nothing; the bytes it was writing are lost)."""
+        svc = self.service
+        reads, self.reads = self.reads, {}
+        for leases in reads.values():
+            for lease in leases:
+                await svc.end_read(lease)
+        stores, self.reservations = self.reservations, {}
+        for store in stores.values():
+            if store.store_id in svc.stores:
+                await svc.abort_store(store)
+                svc.transfer.reservations_expired += 1
 
     _last_op = 0
     _last_id = 0
@@ -697,7 +811,11 @@ class Connection:
                     head, data = item.head, item.data
                     if item.prepare is not None:
                         head, data = await item.prepare()
-                    sent = await self.send_all([head, *data])
+                    if item.fds:
+                        await self._send_fds(head, item.fds)
+                        sent = len(head) + await self.send_all(data)
+                    else:
+                        sent = await self.send_all([head, *data])
                 self.service.transfer.bytes_sent += sent - len(head)
             except asyncio.CancelledError:
                 raise
@@ -715,7 +833,13 @@ class Connection:
         """Queue a reply (waits while ``max_inflight`` replies are queued: backpressure).
         A small reply with nothing queued before it is sent at once when the socket takes
         it (no hop through the writer task)."""
-        if not self._pending and item.prepare is None and item.finish is None and not item.data:
+        if (
+            not self._pending
+            and item.prepare is None
+            and item.finish is None
+            and not item.data
+            and not item.fds
+        ):
             try:
                 sent = self.sock.send(item.head)
             except (BlockingIOError, InterruptedError, OSError):
@@ -731,6 +855,19 @@ class Connection:
             if item.finish is not None:
                 await asyncio.shield(item.finish())
             raise
+
+    async def _send_fds(self, head: bytes, fds: list[int]) -> None:
+        """Send ``head`` with ``fds`` attached to its first byte (SCM_RIGHTS)."""
+        while True:
+            try:
+                n = socket.send_fds(self.sock, [head], fds)
+                break
+            except (BlockingIOError, InterruptedError):
+                await self._wait(write=True)
+            except OSError as err:
+                raise ConnectionClosed(str(err)) from None
+        if n < len(head):
+            await self.send_all([head[n:]])
 
     async def _next_frame(self) -> tuple[Header, dict[str, Any]]:
         cfg = self.config
@@ -787,8 +924,19 @@ class Connection:
             Op.LEASE: self._lease,
             Op.RELEASE: self._release,
             Op.GET: self._get,
+            Op.MAP: self._map,
+            Op.GET_SHM: self._get_shm,
+            Op.PUT_SHM: self._put_shm,
+            Op.COMMIT: self._commit_reservation,
+            Op.ABORT: self._abort_reservation,
         }[op]
         try:
+            if op in SHM_OPS and not self.local:
+                raise RequestError(
+                    FORBIDDEN,
+                    f"{op.name}: a same-node op, only over the agent's Unix socket "
+                    "(transfer.unix_socket)",
+                )
             await handler(header, meta)
         except RequestError as err:
             await self._send(_Reply(_error(op, header.request_id, err.status, err.reason)))
@@ -827,6 +975,7 @@ class Connection:
                         "max_inflight": cfg.max_inflight,
                         "max_lease_ttl_s": cfg.max_lease_ttl_s,
                         "crc": crc,
+                        "same_node": self.local,
                     },
                 )
             )
@@ -864,7 +1013,118 @@ class Connection:
     async def _release(self, header: Header, meta: dict[str, Any]) -> None:
         _fields(meta, "RELEASE", required={"lease"})
         assert self.principal is not None
-        await self.service.release_lease(self.principal, _uint(meta, "lease"))
+        lease_id = _uint(meta, "lease")
+        for lease in self.reads.pop(lease_id, []):  # this connection's same-node reads
+            await self.service.end_read(lease)
+        await self.service.release_lease(self.principal, lease_id)
+        await self._send(_Reply(_reply(header)))
+
+    # ------------------------------------------------------------- same node
+
+    async def _map(self, header: Header, meta: dict[str, Any]) -> None:
+        _fields(meta, "MAP", optional={"cuda"})
+        cuda = meta.get("cuda", False)
+        if not isinstance(cuda, bool):
+            raise ProtocolError(BAD_FRAME, "meta.cuda: a boolean")
+        server = self.server
+        arena = self.service.engine.storage[0].arena
+        out: dict[str, Any] = {"pools": server.pool_memory(), "size": arena.numel()}
+        if cuda:
+            if arena.device.type != "cuda":
+                raise RequestError(
+                    CONFLICT,
+                    "map: the primary tier is in CPU memory, there is no CUDA arena to export; "
+                    "map its memfd instead (cuda false)",
+                )
+            out.update(export_arena(arena).to_meta())
+            await self._send(_Reply(_reply(header, out)))
+            return
+        if server.shared_fd is None:
+            raise RequestError(
+                CONFLICT,
+                f"map: the primary tier is in {arena.device.type} memory, not a memfd; "
+                "map it through CUDA IPC (cuda true)",
+            )
+        out["kind"] = "memfd"
+        await self._send(_Reply(_reply(header, out), fds=[server.shared_fd]))
+
+    async def _get_shm(self, header: Header, meta: dict[str, Any]) -> None:
+        _fields(meta, "GET_SHM", required={"lease", "start", "count"}, optional={"layers"})
+        lease_id, start, count = _uint(meta, "lease"), _uint(meta, "start"), _uint(meta, "count")
+        layers = _layer_range(meta, len(self.service.engine.plan.layer_pool))
+        memory = self.server.memory
+        chosen = [m.layout.index for m in memory if m.layout.selected(layers)]
+        assert self.principal is not None
+        lease, ids = await self.service.begin_read(self.principal, lease_id, start, count, chosen)
+        self.reads.setdefault(lease_id, []).append(lease)
+        blocks = [_id_bytes(ids.get(m.layout.index, [])) for m in memory]
+        await self._send(_Reply(_reply(header, {"count": count, "blocks": blocks})))
+
+    async def _put_shm(self, header: Header, meta: dict[str, Any]) -> None:
+        _fields(meta, "PUT_SHM", required={"ns", "keys", "first"}, optional={"priority", "ttl"})
+        svc = self.service
+        assert self.principal is not None
+        ns, keys = _ns(meta), _keys(meta)
+        first = _uint(meta, "first")
+        priority = meta.get("priority")
+        if priority is not None and type(priority) is not int:
+            raise ProtocolError(BAD_FRAME, "meta.priority: an integer")
+        ttl = meta.get("ttl", self.config.lease_ttl_s)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+            raise ProtocolError(BAD_FRAME, "meta.ttl: a number of seconds")
+        if first > len(keys):
+            raise ProtocolError(BAD_FRAME, f"meta.first: {first} is past the {len(keys)} keys")
+        start = await svc.begin_store(self.principal, ns, keys, first, priority, ttl_s=ttl)
+        if start.store is None:
+            if start.gap:
+                reason = (
+                    f"put: the cache holds only the first {start.resident} blocks of the chain, "
+                    f"but the data starts at block {first}; send from block {start.resident}"
+                )
+                await self._send(
+                    _Reply(
+                        _error(
+                            header.op, header.request_id, CONFLICT, reason, resident=start.resident
+                        )
+                    )
+                )
+            else:
+                await self._send(
+                    _Reply(_reply(header, {"store": 0, "resident": start.resident, "blocks": []}))
+                )
+            return
+        store = start.store
+        self.reservations[store.store_id] = store
+        blocks = [_id_bytes(store.block_ids.get(m.layout.index, [])) for m in self.server.memory]
+        out = {
+            "store": store.store_id,
+            "resident": store.resident,
+            "blocks": blocks,
+            "ttl": min(float(ttl), self.config.max_lease_ttl_s),
+        }
+        await self._send(_Reply(_reply(header, out)))
+
+    def _reservation(self, meta: dict[str, Any], op: str) -> Store:
+        _fields(meta, op, required={"store"})
+        store_id = _uint(meta, "store")
+        store = self.reservations.pop(store_id, None)
+        if store is None:
+            raise RequestError(
+                NOT_FOUND,
+                f"reservation {store_id} is not held by this connection (unknown, committed, "
+                "aborted or expired)",
+            )
+        return store
+
+    async def _commit_reservation(self, header: Header, meta: dict[str, Any]) -> None:
+        store = self._reservation(meta, "COMMIT")
+        await self.service.commit_store(store)
+        stored = store.total - store.resident
+        await self._send(_Reply(_reply(header, {"stored": stored, "resident": store.resident})))
+
+    async def _abort_reservation(self, header: Header, meta: dict[str, Any]) -> None:
+        store = self._reservation(meta, "ABORT")
+        await self.service.abort_store(store)
         await self._send(_Reply(_reply(header)))
 
     async def _get(self, header: Header, meta: dict[str, Any]) -> None:
@@ -1025,6 +1285,12 @@ class Connection:
 
 
 # --------------------------------------------------------------------- data buffers
+
+
+def _id_bytes(ids: list[int]) -> bytes:
+    """Block ids on the wire of the same-node ops: little-endian int32, so a peer turns them
+    into an index tensor without a Python object per block."""
+    return np.asarray(ids, dtype="<i4").tobytes()
 
 
 def _crc32(buffers: list[memoryview]) -> int:

@@ -196,9 +196,15 @@ class CacheCollector(Collector):
             svc.expired_leases,
         )
         yield GaugeMetricFamily("kvpool_leases_open", "Leases held now.", value=len(svc.leases))
+        yield _counter(
+            "kvpool_reservations_expired",
+            "Same-node PUT_SHM reservations aborted, their blocks freed, because they were "
+            "not committed in time (or their connection closed).",
+            svc.transfer.reservations_expired,
+        )
         yield GaugeMetricFamily(
             "kvpool_stores_in_flight",
-            "PUTs of the transfer port receiving their KV now.",
+            "PUTs of the transfer port receiving their KV now (same-node reservations too).",
             value=len(svc.stores),
         )
         yield GaugeMetricFamily(

@@ -77,7 +77,7 @@ async def serve(
         nonlocal transfer
         await warm_start(service)
         service.flush_events()
-        if config.transfer.port is not None:
+        if config.transfer.port is not None or config.transfer.unix_socket is not None:
             transfer = TransferServer(service)
             await transfer.start()
         loop = asyncio.get_running_loop()

@@ -136,6 +136,10 @@ class Store:
     names: list[tuple[list[int], bytes]] = field(default_factory=list)
     """Synthetic tokens and engine key of each block it writes: its KV events name the block
     by the engine's hash."""
+    expires_at: float | None = None
+    """A same-node reservation (PUT_SHM): ``time.monotonic()`` after which it is aborted
+    like an expired lease, its blocks freed. None: the connection receiving its bytes owns
+    it (a TCP PUT), and finishes or aborts it itself."""
 
 
 @dataclass
@@ -158,6 +162,8 @@ class TransferCounters:
     accepted: int = 0
     bytes_received: int = 0
     bytes_sent: int = 0
+    reservations_expired: int = 0
+    """Same-node reservations (PUT_SHM) aborted because they were not committed in time."""
 
 
 def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
@@ -261,9 +267,10 @@ class AgentService:
         interval = min(1.0, self.limits.sequence_idle_timeout_s / 4)
         while True:
             delay = interval
-            if self.leases:  # wake at the earliest lease deadline
-                soonest = min(lease.expires_at for lease in self.leases.values())
-                delay = max(0.01, min(interval, soonest - time.monotonic()))
+            deadlines = [lease.expires_at for lease in self.leases.values()]
+            deadlines += [s.expires_at for s in self.stores.values() if s.expires_at is not None]
+            if deadlines:  # wake at the earliest lease (or reservation) deadline
+                delay = max(0.01, min(interval, min(deadlines) - time.monotonic()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._lease_added.wait(), delay)
             self._lease_added.clear()
@@ -699,16 +706,24 @@ class AgentService:
         self._close_lease(lease)
 
     async def expire_leases(self, now: float | None = None) -> int:
-        """Release every lease past its deadline (``kvpool_leases_expired_total``)."""
+        """Release every lease past its deadline (``kvpool_leases_expired_total``), and abort
+        every same-node reservation past its own (``kvpool_reservations_expired_total``):
+        its blocks go back to the free lists, nothing of it enters the tree."""
 
         def run() -> int:
             t = time.monotonic() if now is None else now
             stale = [lease for lease in self.leases.values() if t >= lease.expires_at]
             for lease in stale:
                 self._expire(lease)
-            return len(stale)
+            late = [
+                s for s in self.stores.values() if s.expires_at is not None and t >= s.expires_at
+            ]
+            for store in late:
+                self._drop_store(store)
+            self.transfer.reservations_expired += len(late)
+            return len(stale) + len(late)
 
-        if not self.leases:
+        if not self.leases and not any(s.expires_at is not None for s in self.stores.values()):
             return 0
         return await self.call(run)
 
@@ -760,11 +775,14 @@ class AgentService:
         keys: list[bytes],
         first: int,
         priority: int | None = None,
+        ttl_s: float | None = None,
     ) -> StoreStart:
         """Open a chain for writing: the blocks from the resident prefix on get fresh private
         blocks, which only the caller writes (outside the lock) before ``finish_store``.
         ``first`` is the first block whose bytes the client sends: the cache must hold every
-        block before it, else nothing is stored (``gap``)."""
+        block before it, else nothing is stored (``gap``). ``ttl_s`` makes it a same-node
+        reservation that expires (bounded by ``transfer.max_lease_ttl_s``) unless committed
+        (``commit_store``)."""
         tenant = self.tenant_of(principal)
         chain = self._chain(ns, keys)
         if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(chain):
@@ -784,6 +802,10 @@ class AgentService:
         tpb = self.engine.tpb
         tokens = chain_tokens(chain, tpb)
         n = len(chain)
+        if ttl_s is not None:
+            if isinstance(ttl_s, bool) or not math.isfinite(ttl_s) or ttl_s <= 0:
+                raise RequestError(422, "ttl_s: a positive, finite number of seconds")
+            ttl_s = min(float(ttl_s), self.config.transfer.max_lease_ttl_s)
 
         def run() -> StoreStart:
             d = len(self.engine.lookup(tokens, cache_salt=salt))
@@ -810,6 +832,9 @@ class AgentService:
             store = Store(
                 self._new_id(), tenant, handle, resident, n, self._held(handle), ids, names
             )
+            if ttl_s is not None:
+                store.expires_at = time.monotonic() + ttl_s
+                self._lease_added.set()  # the housekeeper schedules its expiry
             self.stores[store.store_id] = store
             self._account(tenant, (), store.held)
             if salt is not None:
@@ -832,11 +857,34 @@ class AgentService:
 
     async def abort_store(self, store: Store) -> None:
         """Drop a store whose bytes did not all arrive: nothing of it enters the tree."""
+        await self.call(lambda: self._drop_store(store))
+
+    def _drop_store(self, store: Store) -> None:
+        if self.stores.pop(store.store_id, None) is None:
+            return
+        self.engine.release(store.handle.seq_id, discard=True)
+        self._account(store.tenant, store.held, ())
+
+    async def commit_store(self, store: Store) -> None:
+        """Commit a same-node reservation whose bytes the engine wrote into the mapping, as
+        ``finish_store`` does; 404 when it expired first (its blocks are free again, so what
+        was written there is lost, not half-entered)."""
 
         def run() -> None:
-            if self.stores.pop(store.store_id, None) is None:
-                return
-            self.engine.release(store.handle.seq_id, discard=True)
+            if self.stores.get(store.store_id) is not store:
+                raise RequestError(
+                    404, f"reservation {store.store_id} is not held (expired or aborted)"
+                )
+            if store.expires_at is not None and time.monotonic() >= store.expires_at:
+                self._drop_store(store)
+                self.transfer.reservations_expired += 1
+                raise RequestError(
+                    404, f"reservation {store.store_id} is not held (expired or aborted)"
+                )
+            self.stores.pop(store.store_id)
+            for tokens, key in store.names:
+                self.publisher.encoder.name(tokens, key)
+            self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
 
         await self.call(run)

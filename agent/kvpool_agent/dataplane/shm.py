@@ -1,0 +1,348 @@
+"""The same-node client: KV moves by memory copies through the agent's arena, not a socket.
+
+An engine on the agent's node connects to the agent's Unix socket (``transfer.unix_socket``),
+authenticates as over TCP, and gets the primary arena mapped into its own address space (a
+memfd handed over with SCM_RIGHTS; on a CUDA agent, the device arena through a CUDA IPC
+handle). Requests then carry block ids only:
+
+    client = ShmClient("/run/kvpool/transfer.sock", token=token)
+    lease = client.lease(ns, keys, ttl_s=10)
+    if lease is not None:
+        kv = client.empty_kv(lease.count)
+        client.get_into(lease, kv)        # GET_SHM names the blocks; we copy them out
+        client.release(lease)             # ends the reads: the blocks may move again
+    client.put(ns, keys, new_kv, first=n)  # PUT_SHM reserves, we copy in, COMMIT
+
+A read is one ``index_select`` per layer over a strided view of the mapping (the agent's own
+paged layout), block ids arriving as packed int32; a write is one slice copy per block (the
+faster of the two on CPU, see ``write``). The agent's blocks
+are only guaranteed for as long as the lease or reservation is held: a read must be done
+before RELEASE (or the lease's expiry), a write before COMMIT (or the reservation's expiry,
+after which the blocks may belong to someone else). A client is one connection; its calls
+are serialized (make one per thread for parallel copies).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool_agent.dataplane.client import (
+    TORCH_DTYPES,
+    Geometry,
+    Lease,
+    PutResult,
+    TransferConnectionError,
+    TransferError,
+    _check,
+    _Connection,
+    _per_pool,
+)
+from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, open_arena
+from kvpool_agent.dataplane.keys import KeyNamespace
+from kvpool_agent.dataplane.protocol import NOT_FOUND, Op, PoolLayout
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """New blocks of a chain reserved by PUT_SHM: the caller writes them, then commits."""
+
+    store_id: int
+    """0 when the agent held the whole chain already (nothing to write or commit)."""
+    first: int
+    """The chain block the caller's data starts at."""
+    resident: int
+    """Leading blocks the agent holds already: the reserved blocks are ``resident..``."""
+    blocks: list[torch.Tensor]
+    """Per pool, the agent's block ids of chain blocks ``resident..`` (int64)."""
+    ttl_s: float
+
+
+def _ids(raw: bytes) -> torch.Tensor:
+    """Block ids off the wire (little-endian int32) as an int64 index tensor."""
+    return torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
+
+
+def pool_views(
+    arena: torch.Tensor, pools: Sequence[PoolLayout], memory: list[dict[str, Any]]
+) -> list[torch.Tensor]:
+    """Per pool, the paged view ``[layers, blocks, 2, tokens_per_block, kv_heads, head_dim]``
+    of a mapped arena, from the MAP reply's bases and strides (the agent's own layout)."""
+    out: list[torch.Tensor] = []
+    for p, m in zip(pools, memory, strict=True):
+        dtype = TORCH_DTYPES[p.dtype]
+        elem = torch.empty((), dtype=dtype).element_size()
+        t, h, d = p.tokens_per_block, p.kv_heads, p.head_dim
+        out.append(
+            torch.as_strided(
+                arena.view(dtype),
+                size=(len(p.layers), int(m["blocks"]), 2, t, h, d),
+                stride=(
+                    int(m["layer_stride"]) // elem,
+                    int(m["block_stride"]) // elem,
+                    t * h * d,
+                    h * d,
+                    d,
+                    1,
+                ),
+                storage_offset=int(m["base"]) // elem,
+            )
+        )
+    return out
+
+
+class ShmClient:
+    """One authenticated same-node connection and the agent's arena mapped beside it."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        cuda: bool = False,
+    ) -> None:
+        self.path = path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(connect_timeout)
+            sock.connect(path)
+        except OSError as err:
+            sock.close()
+            raise TransferConnectionError(f"{path}: {err}", request_sent=False) from err
+        self._conn = _Connection(path, token, timeout, connect_timeout, False, sock=sock)
+        self._geometry: Geometry = self._conn.geometry
+        self._lock = threading.Lock()
+        self._mapping: mmap.mmap | None = None
+        try:
+            self.arena = self._map(cuda)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _map(self, cuda: bool) -> torch.Tensor:
+        """MAP: the arena as a flat uint8 tensor of this process, and the pool views."""
+        fds: list[int] = []
+        try:
+            _, reply = self._conn.request(Op.MAP, {"cuda": cuda}, fds=fds)
+            size = int(reply["size"])
+            if cuda:
+                arena = open_arena(CudaArenaHandle.from_meta(reply))
+            else:
+                if reply.get("kind") != "memfd" or len(fds) != 1:
+                    raise TransferError(502, "map: the agent sent no memfd")
+                # Populated up front: a first write to each page of a shared mapping faults,
+                # which made puts into fresh blocks several times slower than memcpy.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mapping = mmap.mmap(fds[0], max(size, 1), flags=flags)
+                arena = torch.frombuffer(self._mapping, dtype=torch.uint8, count=size)
+        finally:
+            for fd in fds:  # the mapping holds its own reference
+                os.close(fd)
+        self.views = pool_views(arena, self._geometry.pools, reply["pools"])
+        return arena
+
+    def close(self) -> None:
+        """Close the connection: the agent ends this client's reads and aborts its
+        uncommitted reservations. The mapping goes when the last tensor over it does."""
+        self._conn.close()
+
+    def __enter__(self) -> ShmClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def geometry(self) -> Geometry:
+        """The agent's pools (as ``TransferClient.geometry``)."""
+        return self._geometry
+
+    def _request(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return self._conn.request(op, meta)[1]
+
+    # ------------------------------------------------------------- keys and leases
+
+    def empty_kv(
+        self, blocks: int, layers: tuple[int, int] | None = None, *, pin_memory: bool = False
+    ) -> list[torch.Tensor]:
+        return self._geometry.empty_kv(blocks, layers, pin_memory=pin_memory)
+
+    def ping(self) -> None:
+        self._request(Op.PING, {})
+
+    def lookup(self, ns: KeyNamespace, keys: Sequence[bytes]) -> list[str]:
+        """Tier of each leading resident block of the chain (no side effects)."""
+        return list(self._request(Op.LOOKUP, _chain_meta(ns, keys))["tiers"])
+
+    def lease(
+        self, ns: KeyNamespace, keys: Sequence[bytes], ttl_s: float | None = None
+    ) -> Lease | None:
+        """Pin the chain's leading resident blocks; None when none is resident."""
+        meta = _chain_meta(ns, keys)
+        if ttl_s is not None:
+            meta["ttl"] = float(ttl_s)
+        reply = self._request(Op.LEASE, meta)
+        if not reply["lease"]:
+            return None
+        return Lease(
+            replica=self.path,
+            lease_id=int(reply["lease"]),
+            count=int(reply["count"]),
+            tiers=list(reply["tiers"]),
+            first_block=[int(x) for x in reply["first_block"]],
+            ttl_s=float(reply["ttl"]),
+            expires_at=time.monotonic() + float(reply["ttl"]),
+        )
+
+    def release(self, lease: Lease) -> None:
+        """Release a lease and end this client's reads of it (one gone counts as done)."""
+        try:
+            self._request(Op.RELEASE, {"lease": lease.lease_id})
+        except TransferError as err:
+            if err.status != NOT_FOUND:
+                raise
+
+    # ------------------------------------------------------------- reads
+
+    def get_into(
+        self,
+        lease: Lease,
+        dst: torch.Tensor | Sequence[torch.Tensor | None],
+        *,
+        start: int = 0,
+        count: int | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
+        """Copy blocks ``[start, start + count)`` of a lease out of the mapping into ``dst``
+        (per pool ``[selected layers, count, 2, tokens_per_block, kv_heads, head_dim]``, as
+        ``TransferClient.get_into``). The blocks stay pinned until ``release``."""
+        count = lease.count - start if count is None else count
+        geo = self._geometry
+        targets = _per_pool(dst, geo)
+        meta: dict[str, Any] = {"lease": lease.lease_id, "start": start, "count": count}
+        if layers is not None:
+            meta["layers"] = [layers[0], layers[1]]
+        for p, target in zip(geo.pools, targets, strict=True):
+            shape = geo.kv_shape(p.index, count, layers)
+            if shape[0] and target is None:
+                raise ValueError(f"dst: pool {p.index} has selected layers but no tensor")
+            if shape[0] and target is not None:
+                _check(target, shape, TORCH_DTYPES[p.dtype], f"dst[{p.index}]")
+        reply = self._request(Op.GET_SHM, meta)
+        for p, target, raw in zip(geo.pools, targets, reply["blocks"], strict=True):
+            selected = p.selected(layers)
+            if not selected or target is None:
+                continue
+            # One gather per layer, of rows that are each one contiguous [layer, block] slice:
+            # torch copies those row by row (a gather over the whole strided 6-d view takes an
+            # element-wise path, measured ~100x slower).
+            view = self.views[p.index].flatten(2)
+            ids = _ids(raw).to(view.device)
+            direct = target.device == view.device and target.is_contiguous()
+            out = target.view(len(selected), count, -1) if direct else None
+            for i, layer in enumerate(selected):
+                if out is not None:
+                    torch.index_select(view[layer], 0, ids, out=out[i])
+                else:
+                    target[i].copy_(view[layer].index_select(0, ids).view(target.shape[1:]))
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)
+
+    # ------------------------------------------------------------- writes
+
+    def reserve(
+        self,
+        ns: KeyNamespace,
+        keys: Sequence[bytes],
+        *,
+        first: int = 0,
+        priority: int | None = None,
+        ttl_s: float | None = None,
+    ) -> Reservation:
+        """PUT_SHM: reserve the chain's blocks the agent does not hold (from ``first``, whose
+        predecessors it must hold: else ``ChainGapError``). They are private until
+        ``commit``; uncommitted past ``ttl_s`` (``transfer.lease_ttl_s`` by default) they are
+        freed again."""
+        meta = _chain_meta(ns, keys)
+        meta["first"] = first
+        if priority is not None:
+            meta["priority"] = priority
+        if ttl_s is not None:
+            meta["ttl"] = float(ttl_s)
+        reply = self._request(Op.PUT_SHM, meta)
+        return Reservation(
+            store_id=int(reply["store"]),
+            first=first,
+            resident=int(reply["resident"]),
+            blocks=[_ids(raw) for raw in reply["blocks"]],
+            ttl_s=float(reply.get("ttl", 0.0)),
+        )
+
+    def write(self, reservation: Reservation, kv: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Copy ``kv`` (blocks ``first..`` of the chain, every layer of every pool, as
+        ``TransferClient.put`` takes them) into the reserved blocks; blocks the agent held
+        already are skipped."""
+        if not reservation.store_id:
+            return
+        geo = self._geometry
+        skip = reservation.resident - reservation.first
+        for p, tensor, ids in zip(geo.pools, _per_pool(kv, geo), reservation.blocks, strict=True):
+            if tensor is None:
+                raise ValueError(f"kv: pool {p.index} has no tensor")
+            n = skip + len(ids)
+            _check(tensor, geo.kv_shape(p.index, n), TORCH_DTYPES[p.dtype], f"kv[{p.index}]")
+            view = self.views[p.index]
+            src = (tensor[:, skip:] if skip else tensor).to(view.device)
+            # A copy per block (all its layers at once): measured at memcpy speed, where
+            # index_copy_ (whole view or per layer) reaches about half of it.
+            for i, block in enumerate(ids.tolist()):
+                view[:, block].copy_(src[:, i])
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)
+
+    def commit(self, reservation: Reservation) -> PutResult:
+        """COMMIT: the written blocks enter the cache (as a TCP PUT's do)."""
+        if not reservation.store_id:
+            return PutResult(self.path, 0, reservation.resident)
+        reply = self._request(Op.COMMIT, {"store": reservation.store_id})
+        return PutResult(self.path, int(reply["stored"]), int(reply["resident"]))
+
+    def abort(self, reservation: Reservation) -> None:
+        """ABORT: free the reserved blocks (nothing of them enters the cache)."""
+        if reservation.store_id:
+            self._request(Op.ABORT, {"store": reservation.store_id})
+
+    def put(
+        self,
+        ns: KeyNamespace,
+        keys: Sequence[bytes],
+        kv: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        first: int = 0,
+        priority: int | None = None,
+    ) -> PutResult:
+        """Store a chain (reserve, copy in, commit); the same contract as
+        ``TransferClient.put``. A failed copy aborts the reservation."""
+        reservation = self.reserve(ns, keys, first=first, priority=priority)
+        try:
+            self.write(reservation, kv)
+        except BaseException:
+            if not self._conn.broken:
+                self.abort(reservation)
+            raise
+        return self.commit(reservation)
+
+
+def _chain_meta(ns: KeyNamespace, keys: Sequence[bytes]) -> dict[str, Any]:
+    return {"ns": [ns.model, ns.rank, ns.layer_group], "keys": [bytes(k) for k in keys]}
