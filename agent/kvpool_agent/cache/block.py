@@ -1,15 +1,17 @@
 """Block records and radix tree nodes: the engine's two kinds of bookkeeping record.
 
-A ``TreeNode`` is one reusable token block of a prefix: its tokens, its chained key and, for
-each pool group, the ``Block`` (storage slot) holding its KV in some tier, or None where a
-window group evicted it. Priority, expiry and recency live on the node, so every group's
-copy of a node ages together. A ``Block`` not attached to a node is private to the one
-sequence that writes it (its last, still filling block, or a duplicate of a node that another
-sequence stored first).
+A ``TreeNode`` is one reusable token block of a prefix: its chained key, its tokens packed
+(``cache/packed.py``: 4 B a token, not a tuple of ints) and, for each pool group, the
+``Block`` (storage slot) holding its KV in some tier, or None where a window group evicted
+it. Priority, expiry and recency live on the node, so every group's copy of a node ages
+together. A ``Block`` not attached to a node is private to the one sequence that writes it
+(its last, still filling block, or a duplicate of a node that another sequence stored
+first).
 """
 
 from __future__ import annotations
 
+from kvpool_agent.cache.packed import Packed, first_token, unpack
 from kvpool_agent.config import DEFAULT_PRIORITY
 
 HEADS_FROM = 16
@@ -33,23 +35,25 @@ class TreeNode:
         "key",
         "kids_in_tier",
         "last_used",
+        "packed",
         "parent",
         "priority",
         "stored_at",
-        "tokens",
     )
 
     def __init__(
         self,
         key: int,
-        tokens: tuple[int, ...],
+        packed: Packed,
         parent: TreeNode | None,
         num_groups: int,
     ) -> None:
         self.key = key
-        self.tokens = tokens
+        self.packed = packed
+        """The block's tokens, packed: what confirms a match found by key."""
         self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.children: dict[int, TreeNode] = {}
+        """Child nodes by their key (``packed.block_key``)."""
         self.blocks: list[Block | None] = [None] * num_groups
         self.depth: int = 0 if parent is None else parent.depth + 1
         self.priority = DEFAULT_PRIORITY
@@ -63,25 +67,31 @@ class TreeNode:
         """First token -> children starting with it, once the node had ``HEADS_FROM``
         children: a partial match looks there instead of scanning every child."""
 
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The block's tokens (unpacked on each call: snapshots, tests and tools read it)."""
+        return unpack(self.packed)
+
     # The tree calls these two only where ``heads`` is (or is due to be) kept, so that a
     # node with few children costs nothing per stored block.
 
-    def head_added(self, tokens: tuple[int, ...]) -> None:
-        """``children[tokens]`` was just added: count it (building ``heads`` if due)."""
+    def head_added(self, child: TreeNode) -> None:
+        """``child`` was just added to ``children``: count it (building ``heads`` if due)."""
         heads = self.heads
         if heads is None:
             heads = self.heads = {}
-            for key in self.children:
-                heads[key[0]] = heads.get(key[0], 0) + 1
+            for node in self.children.values():
+                first = first_token(node.packed)
+                heads[first] = heads.get(first, 0) + 1
             return
-        first = tokens[0]
+        first = first_token(child.packed)
         heads[first] = heads.get(first, 0) + 1
 
-    def head_removed(self, tokens: tuple[int, ...]) -> None:
-        """``children[tokens]`` was just deleted: count it out of ``heads``."""
+    def head_removed(self, child: TreeNode) -> None:
+        """``child`` was just deleted from ``children``: count it out of ``heads``."""
         heads = self.heads
         assert heads is not None
-        first = tokens[0]
+        first = first_token(child.packed)
         left = heads[first] - 1
         if left:
             heads[first] = left

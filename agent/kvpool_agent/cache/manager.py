@@ -51,6 +51,16 @@ from kvpool_agent.cache.events import (
 )
 from kvpool_agent.cache.eviction.queue import EvictionQueue, effective_priority, new_eviction_queue
 from kvpool_agent.cache.mrc import MissRatioCurve
+from kvpool_agent.cache.packed import (
+    Packed,
+    block_key,
+    confirmed,
+    pack,
+    pack_all,
+    pack_blocks,
+    shared_prefix,
+    slice_blocks,
+)
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.sizing import (
     PoolPlan,
@@ -101,6 +111,7 @@ class _Sequence:
         "nodes",
         "num_prompt",
         "observed",
+        "packed",
         "retention",
         "reused",
         "seq_id",
@@ -131,6 +142,9 @@ class _Sequence:
         """Leading full blocks the eviction policy has been told about."""
         self.slide_from = 0
         """Tokens before the latest appended chunk: windows are kept relative to it."""
+        self.packed: bytes | None = None
+        """The prompt's tokens packed (``pack_all``; None if some does not fit): ``_commit``
+        slices the prompt's blocks from it instead of packing each."""
 
 
 class KVCacheManager:
@@ -265,7 +279,7 @@ class KVCacheManager:
         ``recompute_last_token`` keeps the last prompt token out of the match, so the client
         always has a token to run and get logits from.
         """
-        toks = _check_tokens(tokens)
+        toks, packed = _check_and_pack(tokens)
         if not toks:
             raise InvalidTokensError("tokens: a sequence needs at least one token")
         policy = _check_retention(retention)
@@ -281,7 +295,7 @@ class KVCacheManager:
         namespace = _namespace(cache_salt, extra_keys)
         now = self.clock()
         limit = n - 1 if recompute_last_token else n
-        path, partial, partial_len = self._match(namespace, toks, limit)
+        path, partial, partial_len = self._match(namespace, toks, limit, packed)
         d = len(path)
         ghost_blocks = self._ghost_hits(namespace, toks, path)
         need_from = [self._need_from(g, d * tpb) for g in range(self._num_groups)]
@@ -321,6 +335,7 @@ class KVCacheManager:
             raise OutOfBlocksError(short)
 
         seq = _Sequence(self._next_seq, namespace, toks, policy, self._num_groups)
+        seq.packed = packed
         self._next_seq += 1
         seq.nodes = path
         if self._observers and self.config.enable_block_reuse:
@@ -542,27 +557,34 @@ class KVCacheManager:
                     out[j] = TIER_NAMES[SECONDARY]
         return out
 
-    def _walk(self, namespace: int, toks: list[int], limit: int) -> list[TreeNode]:
+    def _walk(
+        self, namespace: int, toks: list[int], limit: int, packed: bytes | None = None
+    ) -> list[TreeNode]:
         """The tree nodes matching the leading full blocks of ``toks[:limit]`` (read-only)."""
         root = self._roots.get(namespace)
         if not self.config.enable_block_reuse or root is None:
             return []
         tpb = self.tpb
         path: list[TreeNode] = []
-        children = root.children
+        node = root
         for start in range(0, limit - tpb + 1, tpb):
-            child = children.get(tuple(toks[start : start + tpb]))
+            # ``block_key`` inlined: this loop is the lookup's cost per block
+            child = node.children.get(hash((node.key, tuple(toks[start : start + tpb]))))
             if child is None:
                 break
             path.append(child)
-            children = child.children
+            node = child
+        if path:
+            # Keys only pick candidates: a block whose key collided is a miss, and so is
+            # everything after it.
+            del path[confirmed([n.packed for n in path], toks, tpb, packed) :]
         return path
 
     def _match(
-        self, namespace: int, toks: list[int], limit: int
+        self, namespace: int, toks: list[int], limit: int, packed: bytes | None
     ) -> tuple[list[TreeNode], TreeNode | None, int]:
         """The usable matched path, and a partially matching next node with its token count."""
-        path = self._walk(namespace, toks, limit)
+        path = self._walk(namespace, toks, limit, packed)
         if not path and self._roots.get(namespace) is None:
             return [], None, 0
         if not self.config.enable_block_reuse:
@@ -611,13 +633,9 @@ class KVCacheManager:
             return None, 0  # no child starts with the next token: nothing to scan
         best, best_len = None, 0
         take_over = not self.config.copy_on_partial_reuse
+        head = pack(rest[:1])
         for child in parent.children.values():
-            tokens = child.tokens
-            if tokens[0] != rest[0]:
-                continue
-            m = 1
-            while m < len(rest) and tokens[m] == rest[m]:
-                m += 1
+            m = shared_prefix(child.packed, rest, head)
             if m <= best_len or any(b is None for b in child.blocks):
                 continue
             if take_over and (child.children or any(b.ref_count for b in child.blocks if b)):
@@ -824,9 +842,9 @@ class KVCacheManager:
             node.blocks[g] = None
         parent = node.parent
         assert parent is not None
-        del parent.children[node.tokens]
+        del parent.children[node.key]
         if parent.heads is not None:
-            parent.head_removed(node.tokens)
+            parent.head_removed(node)
         if tier_of_full is not None and self._full is not None:
             parent.kids_in_tier[tier_of_full] -= 1
             self._recheck(parent, now)
@@ -968,9 +986,9 @@ class KVCacheManager:
             block.node = None
             partial.blocks[g] = None
             seq.held[g].append(block)
-        del parent.children[partial.tokens]
+        del parent.children[partial.key]
         if parent.heads is not None:
-            parent.head_removed(partial.tokens)
+            parent.head_removed(partial)
         if self._full is not None:
             parent.kids_in_tier[PRIMARY] -= 1
             self._recheck(parent, now)
@@ -994,16 +1012,27 @@ class KVCacheManager:
         parent = seq.nodes[-1] if seq.nodes else root
         tpb = self.tpb
         first = len(seq.nodes)
+        prompt = seq.packed
+        if prompt is not None and full * tpb * 4 <= len(prompt):
+            packs = slice_blocks(prompt, first, full, tpb)
+        else:
+            packs = pack_blocks(seq.tokens[first * tpb : full * tpb], tpb)
         for j in range(first, full):
             tokens = tuple(seq.tokens[j * tpb : (j + 1) * tpb])
-            node = parent.children.get(tokens)
+            key = hash((parent.key, tokens))  # ``block_key``, inlined (once per block)
+            packed = packs[j - first]
+            node = parent.children.get(key)
             if node is None:
-                node = self._store(parent, tokens, seq, j, now)
-            else:
+                node = self._store(parent, key, tokens, packed, seq, j, now)
+            elif node.packed == packed:
                 self._join_existing(node, seq, j, now)
+            else:
+                # Another block has this key: this one and those after it stay private to
+                # the sequence (freed on release), as if they were never reusable.
+                break
             seq.nodes.append(node)
             parent = node
-        seq.committed_blocks = full
+        seq.committed_blocks = len(seq.nodes)
         self.mrc.access_nodes(seq.nodes[first:])
         if self._observers and full > seq.observed:
             keys = [node.key for node in seq.nodes]
@@ -1012,13 +1041,20 @@ class KVCacheManager:
             seq.observed = full
 
     def _store(
-        self, parent: TreeNode, tokens: tuple[int, ...], seq: _Sequence, j: int, now: float
+        self,
+        parent: TreeNode,
+        key: int,
+        tokens: tuple[int, ...],
+        packed: Packed,
+        seq: _Sequence,
+        j: int,
+        now: float,
     ) -> TreeNode:
-        node = TreeNode(hash((parent.key, tokens)), tokens, parent, self._num_groups)
+        node = TreeNode(key, packed, parent, self._num_groups)
         children = parent.children
-        children[tokens] = node
+        children[key] = node
         if parent.heads is not None or len(children) >= HEADS_FROM:
-            parent.head_added(tokens)
+            parent.head_added(node)
         self.num_nodes += 1
         retention = seq.retention
         if retention is DEFAULT_RETENTION:
@@ -1037,10 +1073,15 @@ class KVCacheManager:
             assert block is not None and block.node is None
             block.node = node
             node.blocks[g] = block
-        if self._full is not None:
+        full = self._full
+        if full is not None:
             parent.kids_in_tier[PRIMARY] += 1
-            self._recheck(parent, now)
-        self.ghost.discard(node.key)
+            # Mostly the parent is the sequence's previous block, pinned: nothing to recheck.
+            above = parent.blocks[full]
+            if above is not None and not above.ref_count:
+                self._recheck(parent, now)
+        if self.ghost:
+            self.ghost.discard(node.key)
         if self.events.enabled:
             self.events.push(
                 BlockStored(
@@ -1144,7 +1185,7 @@ class KVCacheManager:
         key = keys[-1] if keys else namespace
         tpb = self.tpb
         for j in range(len(path), len(toks) // tpb):
-            key = hash((key, tuple(toks[j * tpb : (j + 1) * tpb])))
+            key = block_key(key, tuple(toks[j * tpb : (j + 1) * tpb]))
             keys.append(key)
         return keys
 
@@ -1157,7 +1198,7 @@ class KVCacheManager:
         key = path[-1].key if path else namespace
         j = len(path)
         while (j + 1) * tpb <= len(toks):
-            key = hash((key, tuple(toks[j * tpb : (j + 1) * tpb])))
+            key = block_key(key, tuple(toks[j * tpb : (j + 1) * tpb]))
             if key not in self.ghost:
                 break
             j += 1
@@ -1232,17 +1273,25 @@ def _tier_name(node: TreeNode) -> str:
 
 
 def _check_tokens(tokens: Sequence[int]) -> list[int]:
+    return _check_and_pack(tokens)[0]
+
+
+def _check_and_pack(tokens: Sequence[int]) -> tuple[list[int], bytes | None]:
+    """The validated tokens, and them packed (``pack_all``) when every one fits."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (list, tuple, range)):
         raise InvalidTokensError(f"tokens must be a list of ints, got {type(tokens).__name__}")
     toks = list(tokens)
-    if toks and set(map(type, toks)) == {int} and min(toks) >= 0:
-        return toks  # the common case, checked at C speed
+    if toks and set(map(type, toks)) == {int}:
+        # the common case, checked at C speed: packing fails for a negative token
+        packed = pack_all(toks)
+        if packed is not None or min(toks) >= 0:
+            return toks, packed
     for t in toks:
         if type(t) is not int:
             raise InvalidTokensError(f"tokens must be ints, got {type(t).__name__} ({t!r})")
         if t < 0:
             raise InvalidTokensError(f"tokens must be non-negative, got {t}")
-    return toks
+    return toks, pack_all(toks)
 
 
 def _check_retention(

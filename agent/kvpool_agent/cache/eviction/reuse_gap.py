@@ -43,6 +43,7 @@ after its child was evicted, and keeps its earlier estimate. Time is the engine'
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,7 +62,7 @@ class ChainNode(Protocol):
     def parent(self) -> ChainNode | None: ...
 
     @property
-    def children(self) -> dict[tuple[int, ...], ChainNode]: ...
+    def children(self) -> Sized: ...
 
 
 Entry = tuple[float, int, int, Evictable]
