@@ -1061,19 +1061,12 @@ class Connection:
         await self._send(_Reply(_reply(header, {"count": count, "blocks": blocks})))
 
     async def _put_shm(self, header: Header, meta: dict[str, Any]) -> None:
-        _fields(meta, "PUT_SHM", required={"ns", "keys", "first"}, optional={"priority", "ttl"})
+        ns, keys, first, priority = _store_fields(meta, "PUT_SHM", {"ttl"})
         svc = self.service
         assert self.principal is not None
-        ns, keys = _ns(meta), _keys(meta)
-        first = _uint(meta, "first")
-        priority = meta.get("priority")
-        if priority is not None and type(priority) is not int:
-            raise ProtocolError(BAD_FRAME, "meta.priority: an integer")
         ttl = meta.get("ttl", self.config.lease_ttl_s)
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
             raise ProtocolError(BAD_FRAME, "meta.ttl: a number of seconds")
-        if first > len(keys):
-            raise ProtocolError(BAD_FRAME, f"meta.first: {first} is past the {len(keys)} keys")
         start = await svc.begin_store(self.principal, ns, keys, first, priority, ttl_s=ttl)
         if start.store is None:
             if start.gap:
@@ -1173,16 +1166,9 @@ class Connection:
         await self._send(_Reply(b"", prepare=prepare, finish=finish))
 
     async def _put(self, header: Header, meta: dict[str, Any]) -> None:
-        _fields(meta, "PUT", required={"ns", "keys", "first"}, optional={"priority"})
+        ns, keys, first, priority = _store_fields(meta, "PUT")
         svc = self.service
         assert self.principal is not None
-        ns, keys = _ns(meta), _keys(meta)
-        first = _uint(meta, "first")
-        priority = meta.get("priority")
-        if priority is not None and type(priority) is not int:
-            raise ProtocolError(BAD_FRAME, "meta.priority: an integer")
-        if first > len(keys):
-            raise ProtocolError(BAD_FRAME, f"meta.first: {first} is past the {len(keys)} keys")
         per_block = sum(m.layout.block_bytes for m in self.server.memory)
         want = (len(keys) - first) * per_block
         if header.data_len != want:
@@ -1364,6 +1350,22 @@ def _fields(
     unknown = meta.keys() - required - optional
     if unknown:
         raise ProtocolError(BAD_FRAME, f"{op}: unknown meta fields {sorted(unknown)}")
+
+
+def _store_fields(
+    meta: dict[str, Any], op: str, extra: set[str] | frozenset[str] = frozenset()
+) -> tuple[KeyNamespace, list[bytes], int, int | None]:
+    """The chain a PUT or PUT_SHM stores: namespace, keys, the first block whose data comes,
+    and the priority (None: the default); ``extra`` names the op's other optional fields."""
+    _fields(meta, op, required={"ns", "keys", "first"}, optional={"priority", *extra})
+    ns, keys = _ns(meta), _keys(meta)
+    first = _uint(meta, "first")
+    priority = meta.get("priority")
+    if priority is not None and type(priority) is not int:
+        raise ProtocolError(BAD_FRAME, "meta.priority: an integer")
+    if first > len(keys):
+        raise ProtocolError(BAD_FRAME, f"meta.first: {first} is past the {len(keys)} keys")
+    return ns, keys, first, priority
 
 
 def _ns(meta: dict[str, Any]) -> KeyNamespace:
