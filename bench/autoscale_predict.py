@@ -23,7 +23,7 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +45,21 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 GENERATED = sorted((REPO / "bench" / "traces").glob("*.jsonl"))
 console = Console(stderr=True)
-ESTIMATORS = ("predicted", "additive", "relative", "policy_curve", "policy_anchored")
-"""``predicted``: the operator's ``predict``; ``additive``, ``relative``: its two halves;
-``policy_curve``: the policy's own curve under the ``1/N`` split, exact (each replica's
-stream replayed at ``K/N`` of its capacity); ``policy_anchored``: that curve's change added
-to the measured hit rate."""
+ESTIMATORS = (
+    "predicted",
+    "lru_curve",
+    "additive",
+    "relative",
+    "policy_curve",
+    "policy_anchored",
+)
+"""``predicted``: the operator's ``predict`` on what the agents export (the policy curve of
+their miniature simulations, the LRU curve beyond its ratios); ``lru_curve``: the same
+without the policy curve (older agents, or ``policy_curve_cpu_share: 0``); ``additive``,
+``relative``: the LRU rule's two halves; ``policy_curve``: the policy's own curve under the
+``1/N`` split, exact (each replica's stream replayed at ``K/N`` of its capacity);
+``policy_anchored``: that exact curve's change added to the measured hit rate (what the
+miniatures estimate)."""
 
 
 @dataclass
@@ -60,6 +70,8 @@ class PoolRun:
     queries: int
     hits: int
     curve: Curve
+    policy: Curve
+    """The agents' summed policy curves (``cache/miniature.py``) over the measured half."""
     streams: list[list[tuple[int, list[int]]]]
     """Each replica's requests in order: (index in the trace, tokens)."""
 
@@ -77,6 +89,7 @@ class PoolRun:
             blocks_total=1.0,
             agents=self.replicas,
             curve=self.curve,
+            policy_curve=self.policy,
         )
 
 
@@ -89,13 +102,20 @@ def run_pool(trace: Trace, replicas: int, capacity: int, policy: str) -> PoolRun
         n: KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=capacity) for n in names
     }
     half = len(trace.requests) // 2
-    marks: dict[str, tuple[int, int, tuple[float, ...]]] = {}
+    marks: dict[str, tuple[int, int, tuple[float, ...], tuple[int, ...], int]] = {}
     streams: dict[str, list[tuple[int, list[int]]]] = {n: [] for n in names}
     for i, request in enumerate(trace.requests):
         if i == half:
             for n, e in engines.items():
                 snap = e.mrc.snapshot(adjusted=False)
-                marks[n] = (e.stats.queries_tokens, sum(e.stats.hits_tokens), snap.cumulative)
+                mini = e.miniature.snapshot()
+                marks[n] = (
+                    e.stats.queries_tokens,
+                    sum(e.stats.hits_tokens),
+                    snap.cumulative,
+                    mini.hits,
+                    mini.accesses,
+                )
         if not request.hash_ids:
             continue
         tokens: list[int] = []
@@ -107,17 +127,26 @@ def run_pool(trace: Trace, replicas: int, capacity: int, policy: str) -> PoolRun
         engine = engines[owner]
         handle = engine.open_sequence(tokens, recompute_last_token=False)
         engine.release(handle.seq_id)
+        engine.miniature.drain()  # the agent drains between requests
     queries = hits = 0
     cumulative = [0.0] * (len(BOUNDS) + 1)
+    ratios = next(iter(engines.values())).miniature.ratios
+    policy_hits = [0] * len(ratios)
+    policy_accesses = 0
     for n, e in engines.items():
-        q0, h0, c0 = marks[n]
+        q0, h0, c0, m0, a0 = marks[n]
+        mini = e.miniature.snapshot()
+        policy_accesses += mini.accesses - a0
+        for j, (a, b) in enumerate(zip(mini.hits, m0, strict=True)):
+            policy_hits[j] += a - b
         queries += e.stats.queries_tokens - q0
         hits += sum(e.stats.hits_tokens) - h0
         now = e.mrc.snapshot(adjusted=False).cumulative
         for j, (a, b) in enumerate(zip(now, c0, strict=True)):
             cumulative[j] += a - b
     curve = Curve(BOUNDS, tuple(cumulative[:-1]), cumulative[-1])
-    return PoolRun(replicas, queries, hits, curve, list(streams.values()))
+    policy_curve = Curve(ratios, tuple(float(h) for h in policy_hits), float(policy_accesses))
+    return PoolRun(replicas, queries, hits, curve, policy_curve, list(streams.values()))
 
 
 def policy_curve(run: PoolRun, trace: Trace, capacity: int, policy: str) -> float:
@@ -220,6 +249,7 @@ def main() -> int:
                                 "measured_from": run.hit_rate,
                                 "measured": runs[k].hit_rate,
                                 "predicted": predict(obs, k),
+                                "lru_curve": predict(replace(obs, policy_curve=None), k),
                                 "additive": additive,
                                 "relative": relative,
                                 "policy_curve": own,

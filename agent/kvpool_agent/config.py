@@ -334,6 +334,14 @@ class LimitsConfig(_Model):
         description="/readyz fails while one engine call has held the engine this long, and "
         "/healthz at twice that, so Kubernetes restarts a wedged agent.",
     )
+    policy_curve_cpu_share: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Share of one core the policy curve's miniature simulations may use, "
+        "replayed between requests (cache/miniature.py); 0 turns them off (the autoscaler "
+        "then predicts from the LRU curve alone).",
+    )
 
 
 class TransferConfig(_Model):

@@ -16,6 +16,12 @@ edge is largest below the working set, where the first under-predicts a smaller 
 second over-predicts it (20 points or more each on the end-to-end trace); the prediction is
 their mean, within about 5 points there (``docs/operations.md``, measured).
 
+Where the agents export the policy's own curve (``cache/miniature.py``: miniature
+simulations of the engine's policy at a few ratios of the capacity), no bracketing is needed:
+the prediction is the measured hit rate plus the policy curve's change from ``1`` to
+``K/N`` (beyond the miniatures' ratios, the LRU curve carries it on). Offline that put every
+step up within 5 points (``bench/autoscale_predict.py``).
+
 - **target rule** (default): the pool wants the smallest ``K`` in ``[minReplicas,
   maxReplicas]`` whose predicted hit rate meets ``targetHitRate``; when no ``K`` meets it,
   the marginal rule below with a gain of ``PLATEAU`` (replicas that buy nothing are not
@@ -40,7 +46,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from kvpool_operator.metrics import Observation
+from kvpool_operator.metrics import Curve, Observation
 from kvpool_operator.models import AutoscalingSpec
 
 PLATEAU = 0.02
@@ -76,11 +82,43 @@ def signal_without_curve(obs: Observation | None, policy: AutoscalingSpec) -> Si
     return Signal.HOLD
 
 
+MIN_POLICY_ACCESSES = 100
+"""Fewest sampled accesses in the policy curve for it to lead the prediction."""
+
+
+def policy_hit_ratio(policy: Curve, lru: Curve | None, ratio: float) -> float | None:
+    """The engine policy's hit ratio at ``ratio`` of the capacity: its miniatures' within
+    their range of ratios, and beyond it the nearest miniature's plus the LRU curve's change
+    from there (flat without an LRU curve)."""
+    lo, hi = policy.bounds[0], policy.bounds[-1]
+    edge = min(max(ratio, lo), hi)
+    at_edge = policy.hit_ratio(edge)
+    if at_edge is None or edge == ratio or lru is None:
+        return at_edge
+    there, here = lru.hit_ratio(ratio), lru.hit_ratio(edge)
+    if there is None or here is None:
+        return at_edge
+    return min(max(at_edge + there - here, 0.0), 1.0)
+
+
+def uses_policy_curve(obs: Observation) -> bool:
+    """Whether ``predict`` reads the policy's own curve (else the LRU curve)."""
+    policy = obs.policy_curve
+    return policy is not None and policy.total >= MIN_POLICY_ACCESSES
+
+
 def predict(obs: Observation, replicas: int) -> float | None:
     """The pool's token hit rate at ``replicas`` for the traffic of ``obs``; None without a
     measured hit rate or a curve."""
     hit_rate = obs.hit_rate
-    if hit_rate is None or obs.curve is None or obs.agents <= 0 or replicas <= 0:
+    if hit_rate is None or obs.agents <= 0 or replicas <= 0:
+        return None
+    if obs.policy_curve is not None and uses_policy_curve(obs):
+        here = policy_hit_ratio(obs.policy_curve, obs.curve, 1.0)
+        there = policy_hit_ratio(obs.policy_curve, obs.curve, replicas / obs.agents)
+        if here is not None and there is not None:
+            return min(max(hit_rate + there - here, 0.0), 1.0)
+    if obs.curve is None:
         return None
     here = obs.curve.hit_ratio(1.0)
     there = obs.curve.hit_ratio(replicas / obs.agents)
@@ -114,7 +152,7 @@ def assess(obs: Observation | None, replicas: int, policy: AutoscalingSpec) -> A
         return Assessment(Signal.HOLD, replicas, "no agent metrics")
     if obs.queries <= 0:
         return Assessment(Signal.IDLE, lo, "no queries")
-    if obs.curve is None:
+    if obs.curve is None and obs.policy_curve is None:
         sig = signal_without_curve(obs, policy)
         desired = {Signal.UP: replicas + 1, Signal.DOWN: replicas - 1}.get(sig, replicas)
         return Assessment(sig, min(max(desired, lo), hi), _legacy_why(obs, policy))
@@ -178,8 +216,10 @@ def _curve_why(
         if policy.min_hit_rate_gain_per_replica is not None
         else f"target {policy.target_hit_rate:.2f}"
     )
+    source = "policy" if uses_policy_curve(obs) else "LRU"
     return (
-        f"predicted hit rate {_fmt(predicted, replicas)} replicas ({rule}); measured "
+        f"predicted hit rate {_fmt(predicted, replicas)} replicas ({rule}, {source} curve); "
+        "measured "
         f"{obs.hit_rate:.2f} at {replicas}, capacity misses {obs.capacity_miss_rate:.0%} of "
         f"queries, over {obs.seconds:.0f}s"
     )

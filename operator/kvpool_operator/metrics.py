@@ -22,6 +22,10 @@ REUSE_DISTANCE = "kvpool_prefix_cache_reuse_distance_capacity_ratio"
 REUSE_DISTANCE_BUCKET = REUSE_DISTANCE + "_bucket"
 """The agents' miss-ratio curve (``agent/kvpool_agent/cache/mrc.py``): accessed blocks by
 LRU reuse distance as a fraction of the capacity, cumulative by ``le``."""
+POLICY_HITS = "kvpool_prefix_cache_policy_curve_hits_total"
+POLICY_ACCESSES = "kvpool_prefix_cache_policy_curve_accesses_total"
+"""The engine's own policy at other sizes (``agent/kvpool_agent/cache/miniature.py``):
+sampled accesses, and per ``ratio`` of the capacity the hits a cache that size had."""
 PRIMARY_TIER = "primary"
 
 SCRAPE_TIMEOUT = 2.0
@@ -62,6 +66,9 @@ class AgentSample:
     blocks_total: float = 0.0
     curve: Curve | None = None
     """The miss-ratio curve's cumulative counters; None from an agent that exports none."""
+    policy_curve: Curve | None = None
+    """The policy curve's counters as a ``Curve`` (bounds: the ratios; cumulative: the hits
+    at each; total: the accesses); None from an agent that exports none."""
 
 
 @dataclass(frozen=True)
@@ -113,11 +120,19 @@ def parse_agent_metrics(text: str) -> AgentSample:
     values = {QUERIES: 0.0, HITS: 0.0, CAPACITY_MISSES: 0.0, BLOCKS_USED: 0.0, BLOCKS_TOTAL: 0.0}
     counters = {QUERIES, HITS, CAPACITY_MISSES}
     buckets: dict[float, float] = {}
+    policy_hits: dict[float, float] = {}
+    policy_accesses: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
             if name == REUSE_DISTANCE_BUCKET:
                 buckets[float(sample.labels["le"])] = float(sample.value)
+                continue
+            if name == POLICY_HITS:
+                policy_hits[float(sample.labels["ratio"])] = float(sample.value)
+                continue
+            if name == POLICY_ACCESSES:
+                policy_accesses = float(sample.value)
                 continue
             if name not in values:
                 continue
@@ -128,6 +143,10 @@ def parse_agent_metrics(text: str) -> AgentSample:
     if total is not None:
         bounds = tuple(sorted(buckets))
         curve = Curve(bounds, tuple(buckets[b] for b in bounds), total)
+    policy_curve = None
+    if policy_accesses is not None and policy_hits:
+        ratios = tuple(sorted(policy_hits))
+        policy_curve = Curve(ratios, tuple(policy_hits[r] for r in ratios), policy_accesses)
     return AgentSample(
         queries=values[QUERIES],
         hits=values[HITS],
@@ -135,6 +154,7 @@ def parse_agent_metrics(text: str) -> AgentSample:
         blocks_used=values[BLOCKS_USED],
         blocks_total=values[BLOCKS_TOTAL],
         curve=curve,
+        policy_curve=policy_curve,
     )
 
 
@@ -186,6 +206,8 @@ class Observation:
     """Agents whose counters the interval covers (the replicas that served it)."""
     curve: Curve | None = None
     """The interval's reuse-distance histogram, summed over those agents."""
+    policy_curve: Curve | None = None
+    """The interval's policy-curve counts, summed over those agents."""
     seconds: float = 0.0
     """How long the interval was."""
 
@@ -227,6 +249,7 @@ def observe(previous: PoolSample | None, current: PoolSample) -> Observation | N
     queries = hits = capacity = 0.0
     agents = 0
     curve: Curve | None = None
+    policy: Curve | None = None
     for pod, now in current.agents.items():
         before = previous.agents.get(pod)
         if before is None:
@@ -238,6 +261,9 @@ def observe(previous: PoolSample | None, current: PoolSample) -> Observation | N
         if now.curve is not None:
             delta = now.curve.since(before.curve)
             curve = delta if curve is None else curve.plus(delta)
+        if now.policy_curve is not None:
+            delta = now.policy_curve.since(before.policy_curve)
+            policy = delta if policy is None else policy.plus(delta)
     return Observation(
         at=current.at,
         queries=queries,
@@ -247,6 +273,7 @@ def observe(previous: PoolSample | None, current: PoolSample) -> Observation | N
         blocks_total=sum(a.blocks_total for a in current.agents.values()),
         agents=agents,
         curve=curve,
+        policy_curve=policy,
         seconds=max(current.at - previous.at, 0.0),
     )
 
@@ -258,9 +285,12 @@ def merge(observations: Sequence[Observation]) -> Observation | None:
         return None
     last = observations[-1]
     curve: Curve | None = None
+    policy: Curve | None = None
     for obs in observations:
         if obs.curve is not None:
             curve = obs.curve if curve is None else curve.plus(obs.curve)
+        if obs.policy_curve is not None:
+            policy = obs.policy_curve if policy is None else policy.plus(obs.policy_curve)
     return Observation(
         at=last.at,
         queries=sum(o.queries for o in observations),
@@ -270,5 +300,6 @@ def merge(observations: Sequence[Observation]) -> Observation | None:
         blocks_total=last.blocks_total,
         agents=last.agents,
         curve=curve,
+        policy_curve=policy,
         seconds=sum(o.seconds for o in observations),
     )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool_agent.cache.miniature import PolicyMiniature
 from kvpool_agent.server import AgentService
 
 from .conftest import TPB
@@ -72,3 +75,48 @@ async def test_each_agent_has_its_own_registry(client: httpx.AsyncClient) -> Non
         m_other = await scrape(c)
     assert m_other[("kvpool_prefix_cache_queries_tokens_total", ())] == 0
     await other.stop()
+
+
+async def test_policy_curve_replays_within_its_cpu_budget_and_is_exported(
+    client: httpx.AsyncClient, service: AgentService
+) -> None:
+    engine = service.engine
+    assert engine.miniature.policy == service.config.kv_cache_config.eviction_policy
+    engine.miniature = PolicyMiniature(engine.miniature.policy, 64, ratios=(0.125, 1.0), shift=0)
+    tokens = list(range(8 * TPB + 1))
+    for _ in range(4):
+        seq = (await client.post("/v1/sequences", json={"tokens": tokens})).json()
+        await client.post(f"/v1/sequences/{seq['seq_id']}/commit")
+        await client.delete(f"/v1/sequences/{seq['seq_id']}")
+    assert len(engine.miniature.pending) == 32  # 8 blocks stored, then matched 3 times
+    now = time.monotonic()
+    service._curve_at = now
+    service._curve_credit = 0.0
+    assert await service.simulate_policy_curve(now=now) == 0  # no time passed: no budget
+    assert await service.simulate_policy_curve(now=now + 60) == 32
+    m = await scrape(client)
+    # Counted after the 8-block miniature's warm-up: 24 accesses, all hits at both sizes.
+    assert m[("kvpool_prefix_cache_policy_curve_accesses_total", ())] == 24
+    assert m[("kvpool_prefix_cache_policy_curve_hits_total", (("ratio", "0.125"),))] == 24
+    assert m[("kvpool_prefix_cache_policy_curve_hits_total", (("ratio", "1"),))] == 24
+    assert m[("kvpool_prefix_cache_policy_curve_sample_rate", ())] == 1.0
+    stats = (await client.get("/v1/stats")).json()["policy_curve"]
+    assert stats["accesses"] == 24 and stats["ratios"][1] == {
+        "ratio": 1.0,
+        "hits": 24,
+        "hit_ratio": 1.0,
+    }
+
+
+async def test_a_zero_cpu_share_turns_the_policy_curve_off_and_a_reload_back_on() -> None:
+    from .conftest import small_config
+
+    svc = AgentService(small_config(limits={"policy_curve_cpu_share": 0.0}))
+    assert svc.engine.miniature is None and svc.stats_document()["policy_curve"] is None
+    handle = svc.engine.open_sequence(list(range(4 * TPB + 1)))  # no curve to feed
+    svc.engine.release(handle.seq_id)
+    assert await svc.simulate_policy_curve(now=time.monotonic() + 60) == 0
+    svc.config = small_config()  # what a live reload to the default share leaves
+    await svc.simulate_policy_curve()
+    assert svc.engine.miniature is not None
+    assert svc.stats_document()["policy_curve"]["accesses"] == 0

@@ -257,3 +257,79 @@ def test_unreachable_agents_are_not_taken_for_an_idle_pool() -> None:
         decision = decide(state, silent, 3, POLICY, i * TICK)
         state = decision.state
         assert not decision.changed
+
+
+POLICY_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+"""The agent's miniature ratios (``kvpool_agent.cache.miniature.RATIOS``)."""
+
+
+def _policy_page(hits: dict[float, float], accesses: float) -> str:
+    lines = ["# TYPE kvpool_prefix_cache_policy_curve_hits_total counter"]
+    for ratio, value in hits.items():
+        lines.append(f'kvpool_prefix_cache_policy_curve_hits_total{{ratio="{ratio:g}"}} {value}')
+    lines += [
+        "# TYPE kvpool_prefix_cache_policy_curve_accesses_total counter",
+        f"kvpool_prefix_cache_policy_curve_accesses_total {accesses}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _policy_obs(policy_hit: Curve, accesses: float, lru: Curve | None = None) -> Observation:
+    """One agent at hit rate 0.7 whose policy curve is ``policy_hit`` at its ratios (LRU
+    curve: ``lru``, by default 0.5 x its capacity's share, flat from 1), scraped twice like
+    the timer does."""
+    counters = AgentCounters()
+    counters.serve(1000, 0.7, lru or saturating(1.0, 0.5), 100)
+    hits = {r: accesses * policy_hit(r) for r in POLICY_RATIOS}
+    zero = {r: 0.0 for r in POLICY_RATIOS}
+    sample, _ = scrape_pool(
+        [ScrapeTarget("a", "")], lambda _t: counters.page() + _policy_page(hits, accesses), 10.0
+    )
+    empty, _ = scrape_pool(
+        [ScrapeTarget("a", "")], lambda _t: AgentCounters().page() + _policy_page(zero, 0), 0.0
+    )
+    obs = observe(empty, sample)
+    assert obs is not None
+    return obs
+
+
+def test_the_policy_curve_is_scraped_as_hits_per_ratio_over_accesses() -> None:
+    obs = _policy_obs(lambda r: min(0.8 * r, 0.9), 400)
+    assert obs.policy_curve is not None
+    assert obs.policy_curve.bounds == POLICY_RATIOS and obs.policy_curve.total == 400
+    assert obs.policy_curve.hit_ratio(0.5) == pytest.approx(0.4)
+    assert obs.policy_curve.hit_ratio(1.25) == pytest.approx(0.85)  # between 0.8 and 0.9
+
+
+def test_with_a_policy_curve_the_prediction_moves_by_its_change() -> None:
+    # The policy hits 0.6 at its own size, 0.3 at half, 0.8 at twice; LRU is flat at 0.5
+    # from one agent's worth up, so only the policy curve can tell 2 agents from 1.
+    shape = {0.25: 0.1, 0.5: 0.3, 0.75: 0.45, 1.0: 0.6, 1.5: 0.7, 2.0: 0.8}
+    obs = _policy_obs(lambda r: shape[r], 400)
+    assert predict(obs, 1) == pytest.approx(0.7)
+    assert predict(obs, 2) == pytest.approx(0.7 + 0.8 - 0.6)
+    # Beyond the miniatures, the LRU curve carries on from the edge: flat there.
+    assert predict(obs, 3) == pytest.approx(0.9)
+    a = assess(obs, 1, POLICY)
+    assert a.signal is Signal.UP and a.desired == 2
+    assert "policy curve" in a.why and "0.90 at 2" in a.why
+
+
+def test_a_policy_curve_below_the_share_of_lru_reaches_down_through_lru() -> None:
+    # Below the smallest miniature (0.25), the LRU curve's change from there is added.
+    shape = {0.25: 0.2, 0.5: 0.3, 0.75: 0.45, 1.0: 0.6, 1.5: 0.7, 2.0: 0.8}
+    obs = _policy_obs(lambda r: shape[r], 400, lru=saturating(1.0, 0.8))
+    ratio = 1 / 8
+    lru_change = 0.8 * ratio - 0.8 * 0.25
+    from kvpool_operator.autoscaler import policy_hit_ratio
+
+    assert obs.policy_curve is not None
+    got = policy_hit_ratio(obs.policy_curve, obs.curve, ratio)
+    assert got == pytest.approx(0.2 + lru_change)
+
+
+def test_too_few_policy_samples_fall_back_to_the_lru_curve() -> None:
+    shape = {0.25: 0.1, 0.5: 0.3, 0.75: 0.45, 1.0: 0.6, 1.5: 0.7, 2.0: 0.8}
+    thin = _policy_obs(lambda r: shape[r], 20)
+    assert predict(thin, 2) == pytest.approx(0.7)  # LRU flat beyond 1: no change
+    assert "LRU curve" in assess(thin, 1, POLICY).why

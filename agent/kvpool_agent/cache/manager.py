@@ -50,6 +50,7 @@ from kvpool_agent.cache.events import (
     RemovalReason,
 )
 from kvpool_agent.cache.eviction.queue import EvictionQueue, effective_priority, new_eviction_queue
+from kvpool_agent.cache.miniature import PolicyMiniature
 from kvpool_agent.cache.mrc import MissRatioCurve
 from kvpool_agent.cache.packed import (
     Packed,
@@ -209,6 +210,10 @@ class KVCacheManager:
         self.ghost = GhostList(sum(self.plan.primary.group_blocks))
         self.mrc = MissRatioCurve(self._curve_capacity())
         """Reuse distances of the accessed blocks (``cache/mrc.py``): hits and stores."""
+        self.miniature: PolicyMiniature | None = None
+        """The policy's own curve (``cache/miniature.py``), fed the same accesses; the agent
+        drains it between requests. None: off (``policy_curve``)."""
+        self.policy_curve(True)
         self.events.push(AllBlocksCleared())
 
     # ----------------------------------------------------------------- construction
@@ -465,7 +470,15 @@ class KVCacheManager:
         if "event_buffer_max_size" in changed:
             self.events.resize(new.event_buffer_max_size)
         self.config = new.model_copy()
+        if "eviction_policy" in changed and self.miniature is not None:
+            self.policy_curve(True)  # the curve of the new policy, from scratch
         return changed
+
+    def policy_curve(self, on: bool) -> None:
+        """Run the policy curve's miniatures (a new one, of the current policy) or none."""
+        self.miniature = (
+            PolicyMiniature(self.config.eviction_policy, self._curve_capacity()) if on else None
+        )
 
     def clear(self) -> int:
         """Drop every reusable block not used by an open sequence; returns how many nodes went."""
@@ -1033,7 +1046,10 @@ class KVCacheManager:
             seq.nodes.append(node)
             parent = node
         seq.committed_blocks = len(seq.nodes)
-        self.mrc.access_nodes(seq.nodes[first:])
+        stored = seq.nodes[first:]
+        self.mrc.access_nodes(stored)
+        if self.miniature is not None:
+            self.miniature.access_nodes(stored)
         if self._observers and full > seq.observed:
             keys = [node.key for node in seq.nodes]
             for queue in self._observers:
@@ -1228,6 +1244,8 @@ class KVCacheManager:
             node.hits += 1
         if self.config.enable_block_reuse:
             self.mrc.access_nodes(path)
+            if self.miniature is not None:
+                self.miniature.access_nodes(path)
 
     def _handle(self, seq: _Sequence) -> SequenceHandle:
         tables = []

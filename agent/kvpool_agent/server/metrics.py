@@ -11,8 +11,10 @@ The miss-ratio curve (``cache/mrc.py``) is the histogram
 as a fraction of the capacity (``le``), so bucket ``le=x`` counts the block accesses an LRU
 cache ``x`` times this one would have hit: ``le<=1`` are hits by depth (``le=1`` minus
 ``le=0.9``: the hits the coldest 10% served), ``le>1`` capacity misses by how far beyond the
-capacity (``+Inf`` adds the cold ones). The operator's autoscaler predicts the hit rate at
-N±1 replicas from it.
+capacity (``+Inf`` adds the cold ones). The engine's own policy at other sizes
+(``cache/miniature.py``) is ``kvpool_prefix_cache_policy_curve_hits_total{ratio}`` out of
+``kvpool_prefix_cache_policy_curve_accesses_total``. The operator's autoscaler predicts the
+hit rate at N±1 replicas from the policy curve, and from the LRU one beyond its ratios.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvpool_agent.cache.miniature import PolicyCurveSnapshot
 from kvpool_agent.cache.mrc import BOUNDS
 
 if TYPE_CHECKING:
@@ -93,6 +96,8 @@ class CacheCollector(Collector):
             "Share of block keys the miss-ratio curve samples (1: exact).",
             value=curve.rate,
         )
+        if engine.miniature is not None:
+            yield from _policy_curve(engine.miniature.snapshot())
         evicted = CounterMetricFamily(
             "kvpool_cache_evicted_blocks", "Blocks evicted from each tier.", labels=["tier"]
         )
@@ -259,3 +264,32 @@ class AgentMetrics:
 
 def _le(bound: float) -> str:
     return f"{bound:g}"
+
+
+def _policy_curve(mini: PolicyCurveSnapshot) -> Iterator[Metric]:
+    """The policy's own curve (``cache/miniature.py``): per ratio of the capacity, the
+    sampled accesses a cache of the engine's policy that size hit, out of the accesses."""
+    hits = CounterMetricFamily(
+        "kvpool_prefix_cache_policy_curve_hits",
+        "Sampled block accesses a cache of the engine's eviction policy, ratio times this "
+        "cache's capacity, hit (miniature simulation; the policy's miss-ratio curve).",
+        labels=["ratio"],
+    )
+    for ratio, value in zip(mini.ratios, mini.hits, strict=True):
+        hits.add_metric([_le(ratio)], value)
+    yield hits
+    yield _counter(
+        "kvpool_prefix_cache_policy_curve_accesses",
+        "Sampled block accesses the policy curve's miniatures counted (hits and misses).",
+        mini.accesses,
+    )
+    yield _counter(
+        "kvpool_prefix_cache_policy_curve_dropped",
+        "Sampled block accesses dropped unsimulated (the CPU budget fell behind).",
+        mini.dropped,
+    )
+    yield GaugeMetricFamily(
+        "kvpool_prefix_cache_policy_curve_sample_rate",
+        "Share of block keys the policy curve's miniatures simulate (1: every key).",
+        value=mini.rate,
+    )

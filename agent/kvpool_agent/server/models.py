@@ -149,6 +149,12 @@ class StatsResponse(BaseModel):
         "(cumulative, sampled estimate): buckets[i].hit_ratio is the hit ratio an LRU cache "
         "le times this size would have had (cache/mrc.py)."
     )
+    policy_curve: dict[str, Any] | None = Field(
+        description="The engine's own eviction policy at other sizes, from miniature "
+        "simulations on sampled keys: ratios[i].hit_ratio is the hit ratio a cache of that "
+        "policy, ratio times capacity_blocks, had (cache/miniature.py); null when "
+        "limits.policy_curve_cpu_share is 0."
+    )
     open_sequences: int
     pools: list[dict[str, Any]]
 

@@ -34,6 +34,7 @@ from kvpool_agent.cache import (
     UnknownSequenceError,
 )
 from kvpool_agent.cache.manager import _namespace
+from kvpool_agent.cache.miniature import PolicyCurveSnapshot
 from kvpool_agent.cache.mrc import BOUNDS, CurveSnapshot
 from kvpool_agent.config import (
     DEFAULT_PRIORITY,
@@ -226,6 +227,11 @@ class AgentService:
         self._open_by: Counter[str | None] = Counter()
         """Open sequences, leases and in-flight stores per tenant (one cap for all three)."""
         self._housekeeping: asyncio.Task[None] | None = None
+        if config.limits.policy_curve_cpu_share == 0:
+            self.engine.policy_curve(False)
+        self._curve_at = time.monotonic()
+        self._curve_credit = 0.0
+        """Seconds the policy curve's replay may still take (``simulate_policy_curve``)."""
         groups = self.engine.plan.groups
         self._group_of_pool = [p.group for p in self.engine.plan.pools]
         self._window_blocks = [
@@ -278,6 +284,7 @@ class AgentService:
                 self.credentials.refresh()
                 await self.expire_idle()
                 await self.expire_leases()
+                await self.simulate_policy_curve()
             except Exception:  # housekeeping must outlive any one failure
                 log.exception("housekeeping failed; retrying")
 
@@ -299,6 +306,29 @@ class AgentService:
             self.expired_sequences += expired
             log.warning("released %d sequences idle for more than %.0fs", expired, limit)
         return expired
+
+    async def simulate_policy_curve(self, now: float | None = None) -> int:
+        """Replay the policy curve's sampled keys (``cache/miniature.py``) in short slices
+        under the engine lock, while the time they took stays within
+        ``limits.policy_curve_cpu_share`` of the time since the last call (credit for at most
+        one second is kept, so an idle spell buys no burst). Returns the keys replayed."""
+        share = self.config.limits.policy_curve_cpu_share
+        engine = self.engine
+        if (engine.miniature is None) != (share == 0):
+            await self.call(lambda: engine.policy_curve(share > 0))  # turned on or off
+        mini = engine.miniature
+        if mini is None:
+            return 0
+        t = time.monotonic() if now is None else now
+        self._curve_credit = min(self._curve_credit + share * (t - self._curve_at), share)
+        self._curve_at = t
+        replayed = 0
+        while mini.pending and self._curve_credit > 0:
+            start = time.perf_counter()
+            replayed += await self.call(lambda: mini.drain(CURVE_SLICE))
+            self._curve_credit -= time.perf_counter() - start
+            await asyncio.sleep(0)  # let a waiting request take the engine between slices
+        return replayed
 
     # ------------------------------------------------------------------ engine calls
 
@@ -952,6 +982,11 @@ class AgentService:
             "hits_tokens": {"primary": s.hits_tokens[0], "secondary": s.hits_tokens[1]},
             "capacity_miss_tokens": s.capacity_miss_tokens,
             "miss_ratio_curve": curve_document(self.engine.mrc.snapshot()),
+            "policy_curve": (
+                None
+                if self.engine.miniature is None
+                else policy_curve_document(self.engine.miniature.snapshot())
+            ),
             "evictions": {"primary": s.evictions[0], "secondary": s.evictions[1]},
             "offloads": s.offloads,
             "onboards": s.onboards,
@@ -984,6 +1019,25 @@ def curve_document(curve: CurveSnapshot) -> dict[str, Any]:
         ],
     }
 
+
+def policy_curve_document(mini: PolicyCurveSnapshot) -> dict[str, Any]:
+    """The policy's own curve in ``/v1/stats``: per ratio of the capacity, the hit ratio a
+    cache of the engine's policy that size had on the sampled accesses."""
+    return {
+        "policy": mini.policy,
+        "capacity_blocks": mini.capacity,
+        "sample_rate": mini.rate,
+        "accesses": mini.accesses,
+        "dropped": mini.dropped,
+        "ratios": [
+            {"ratio": r, "hits": h, "hit_ratio": mini.hit_ratio(r)}
+            for r, h in zip(mini.ratios, mini.hits, strict=True)
+        ],
+    }
+
+
+CURVE_SLICE = 16
+"""Sampled keys replayed per hold of the engine lock (a few milliseconds for ``mixture``)."""
 
 HEAVY_BYTES = 1 << 20
 """Copies larger than this run in a worker thread, so the event loop keeps serving probes."""
