@@ -312,12 +312,9 @@ class AgentService:
         under the engine lock, while the time they took stays within
         ``limits.policy_curve_cpu_share`` of the time since the last call (credit for at most
         one second is kept, so an idle spell buys no burst). Returns the keys replayed."""
-        share = self.config.limits.policy_curve_cpu_share
-        engine = self.engine
-        if (engine.miniature is None) != (share == 0):
-            await self.call(lambda: engine.policy_curve(share > 0))  # turned on or off
-        mini = engine.miniature
-        if mini is None:
+        mini = self.engine.miniature
+        share = self.limits.policy_curve_cpu_share
+        if mini is None or share == 0:  # off (limits are restart-only)
             return 0
         t = time.monotonic() if now is None else now
         self._curve_credit = min(self._curve_credit + share * (t - self._curve_at), share)
