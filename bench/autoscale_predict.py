@@ -9,7 +9,7 @@ agents' token counters and their summed miss-ratio curves, the first half being 
 asks the operator's ``autoscaler.predict`` for ``N - 1`` and ``N + 1`` replicas, and compares
 with what the pools of those sizes measured over the same requests.
 
-    python bench/autoscale_predict.py                       # generated traces, ~3 min
+    python bench/autoscale_predict.py                       # generated traces, ~15 min
     python bench/autoscale_predict.py --traces ../shared/traces/gsp_default_bs16.jsonl
 
 The predictor under test is the operator's; ``additive`` and ``relative`` are its two
