@@ -415,7 +415,8 @@ def test_servicemonitor_waits_for_its_crd(
     if served.returncode != 0:  # first run in this cluster: check the warning path too
         apply(crd, namespace, pool_manifest("mon", monitoring={"serviceMonitor": True}), tmp_path)
         wait_until("a warning", lambda: "ServiceMonitorUnavailable" in events(crd, namespace))
-        assert get(crd, namespace, "statefulset/mon") is not None
+        # The warning is posted before the children are applied: the pool still gets them.
+        wait_until("the StatefulSet", lambda: get(crd, namespace, "statefulset/mon"))
         path = tmp_path / "sm-crd.yaml"
         path.write_text(yaml.safe_dump(SERVICE_MONITOR_CRD))
         crd.kubectl("apply", "-f", str(path))

@@ -1,0 +1,67 @@
+//! Eviction orders: the compiled twin of `kvpool_agent/cache/eviction/`.
+//!
+//! Every order here reproduces its Python original exactly (same victims in the same order,
+//! same float arithmetic), so that the engine's replay figures do not depend on which
+//! implementation runs. The Python modules are the specification; each Rust file names the
+//! module it follows.
+//!
+//! # The contract with the engine
+//!
+//! A queue orders *items*: in the engine an item is a block (one slot of one pool group in
+//! one tier, attached to a tree node); in a shadow cache an item is the shadow node itself.
+//! The queues never own those records. They read and write them through [`Records`], which
+//! the engine (and each shadow cache) implements over its own storage, so the same policy
+//! code serves both.
+//!
+//! Items and nodes are `u32` indices into their owner's slabs. A slab slot is reused once
+//! its record is gone, which is safe for the queues because:
+//! - an item is always discarded from its queue (or popped) before its owner frees it, and
+//!   `queue_stamp` only ever grows in a slot (a reused slot continues from the old stamp), so
+//!   a stale heap entry never matches a later record in the same slot;
+//! - a node a policy remembers beyond its life (`reuse-gap`'s chain heads) is held with
+//!   [`Records::hold`]: its slot keeps the node's key and `last_used` readable, and is not
+//!   reused, until the policy lets it go with [`Records::unhold`].
+
+pub type Item = u32;
+pub type Node = u32;
+
+/// The reference's priority levels: 0 (evicted first) ..= 100.
+pub const MAX_PRIORITY: u8 = 100;
+/// The default priority, and the one an expired priority reverts to.
+pub const DEFAULT_PRIORITY: u8 = 35;
+
+/// What the eviction orders read and write of the records they order.
+pub trait Records {
+    /// Priority level the item sits in while queued, -1 while not queued.
+    fn queue_level(&self, item: Item) -> i16;
+    fn set_queue_level(&mut self, item: Item, level: i16);
+    /// Bumped on every enqueue and dequeue; heap entries with an older stamp are stale.
+    fn queue_stamp(&self, item: Item) -> u64;
+    fn bump_stamp(&mut self, item: Item);
+    /// The item's node's priority and expiry (a shadow node: level 0, never expires).
+    fn priority(&self, item: Item) -> u8;
+    fn expires_at(&self, item: Item) -> Option<f64>;
+    /// The item's node's last-use tick.
+    fn last_used(&self, item: Item) -> u64;
+    /// The tree node the item hangs from (a shadow node is its own).
+    fn node(&self, item: Item) -> Node;
+    /// A node's chained key (the Python engine's `TreeNode.key`).
+    fn key(&self, node: Node) -> i64;
+    fn node_last_used(&self, node: Node) -> u64;
+    /// None for a root (a namespace's root in the engine, the shadow's root).
+    fn parent(&self, node: Node) -> Option<Node>;
+    fn num_children(&self, node: Node) -> usize;
+    /// Keep `node` readable (key, `last_used`, frozen at their last values) after the tree
+    /// drops it, until a matching `unhold`. Holds nest.
+    fn hold(&mut self, node: Node);
+    fn unhold(&mut self, node: Node);
+}
+
+/// `effective_priority` of `queue.py`: the priority, or the default once its duration passed.
+#[inline]
+pub fn effective_priority(priority: u8, expires_at: Option<f64>, now: f64) -> u8 {
+    match expires_at {
+        Some(at) if now >= at => DEFAULT_PRIORITY,
+        _ => priority,
+    }
+}
