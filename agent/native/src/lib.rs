@@ -7,3 +7,6 @@
 
 pub mod eviction;
 pub mod pyhash;
+
+#[cfg(feature = "python")]
+mod python;

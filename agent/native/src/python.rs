@@ -1,0 +1,9 @@
+//! The Python module `kvpool_native`: each part of the core registers its own classes.
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
