@@ -1,9 +1,12 @@
 # Shared shell helpers of the hack/ scripts. Source it from the repository root:
 #   . hack/lib.sh
 # kvpool::setup      idempotent set-up: a virtualenv with the project and its dev extras
-#                    (torch CPU included) and the dev tooling (devtools/: `kvpool-dev`, never
+#                    (torch CPU included), the compiled engine core (agent/native: Rust, built
+#                    from source by maturin; its cargo target dir is cached under
+#                    ~/.cache/kvpool), the dev tooling (devtools/: `kvpool-dev`, never
 #                    shipped), activated, and the dev cluster binaries (built once from the Go
 #                    module proxy, cached under ~/.cache/kvpool)
+# kvpool::native     (re)build and install the compiled engine core into the virtualenv
 # kvpool::step NAME CMD...   run CMD, print its wall time, remember it for kvpool::timings
 # kvpool::timings    print every step's time
 
@@ -19,7 +22,15 @@ kvpool::setup() {
   . "$venv/bin/activate"
   python -m pip install --quiet --upgrade pip
   python -m pip install --quiet -e '.[dev]' -e ./devtools
+  kvpool::native
   kvpool-dev cluster build
+}
+
+kvpool::native() {
+  # pip builds a wheel of agent/native with maturin (from PyPI) and cargo (crates from
+  # crates.io); the cached target dir makes a rebuild after a change incremental.
+  CARGO_TARGET_DIR="${KVPOOL_CACHE_DIR:-$HOME/.cache/kvpool}/native-target" \
+    python -m pip install --quiet ./agent/native
 }
 
 kvpool::step() {

@@ -5,6 +5,11 @@
 //! (same keys, same victims, same counters and events), only faster and with compact records.
 //! `tests/cache` runs against both and compares them operation by operation.
 
+// The engine walks several per-group arrays in step (blocks, pins, windows, queues), as the
+// Python engine it follows does; index loops say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
+pub mod engine;
 pub mod eviction;
 pub mod pyhash;
 

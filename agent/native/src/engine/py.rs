@@ -1,0 +1,425 @@
+//! `kvpool_native.Engine`: the engine's operations for `kvpool_agent/cache/native.py`.
+//!
+//! Plain data in and out: token ids as the packed `uint32` bytes the Python façade already
+//! builds when it validates a request (or a list of ints when some id needs more than 32
+//! bits), results as ints, lists and tuples. Errors are the Python engine's own exception
+//! classes (`kvpool_agent.cache.errors`) with the same messages.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use super::log::Event;
+use super::pool::TierLayout;
+use super::store::NONE;
+use super::{Engine, EngineConfig, EngineError, Retention};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()?;
+    Ok(())
+}
+
+fn raise(py: Python<'_>, err: EngineError) -> PyErr {
+    let name = match err {
+        EngineError::UnknownSequence(_) => "UnknownSequenceError",
+        EngineError::RequestTooLarge(_) => "RequestTooLargeError",
+        EngineError::OutOfBlocks(_) => "OutOfBlocksError",
+        EngineError::InvalidTokens(_) => "InvalidTokensError",
+    };
+    let message = err.to_string();
+    match py
+        .import("kvpool_agent.cache.errors")
+        .and_then(|m| m.getattr(name))
+    {
+        Ok(class) => match class.call1((message,)) {
+            Ok(instance) => PyErr::from_value(instance),
+            Err(e) => e,
+        },
+        Err(e) => e,
+    }
+}
+
+/// Token ids from the packed bytes, else from the list.
+fn tokens(packed: Option<&Bound<'_, PyBytes>>, list: Option<Vec<u64>>) -> PyResult<Vec<u64>> {
+    if let Some(bytes) = packed {
+        let raw = bytes.as_bytes();
+        if raw.len() % 4 != 0 {
+            return Err(PyValueError::new_err(
+                "packed tokens: a multiple of 4 bytes",
+            ));
+        }
+        return Ok(raw
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64)
+            .collect());
+    }
+    list.ok_or_else(|| PyValueError::new_err("tokens: give the packed bytes or a list"))
+}
+
+type RangeTuple = (u64, Option<u64>, u8, Option<u64>);
+/// (group, src tier, dst tier, src ids, dst ids)
+type CopyTuple = (usize, u8, u8, Vec<u32>, Vec<u32>);
+
+fn retention(spec: Option<(Vec<RangeTuple>, u8, Option<u64>)>) -> Arc<Retention> {
+    match spec {
+        None => Arc::new(Retention::default_policy()),
+        Some((ranges, decode_priority, decode_duration_ms)) => Arc::new(Retention {
+            ranges,
+            decode_priority,
+            decode_duration_ms,
+            is_default: false,
+        }),
+    }
+}
+
+fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
+    match d.get_item(key)? {
+        Some(v) => v.extract::<T>().map_err(Into::into),
+        None => Err(PyKeyError::new_err(format!(
+            "engine config: missing {key:?}"
+        ))),
+    }
+}
+
+use pyo3::conversion::FromPyObjectOwned;
+
+fn layout(d: &Bound<'_, PyDict>) -> PyResult<TierLayout> {
+    Ok(TierLayout {
+        chunk_bytes: get(d, "chunk_bytes")?,
+        num_chunks: get(d, "num_chunks")?,
+        group_chunks: get(d, "group_chunks")?,
+        block_bytes: get(d, "block_bytes")?,
+    })
+}
+
+#[pyclass(name = "Engine", module = "kvpool_native")]
+pub struct PyEngine {
+    inner: Engine,
+}
+
+#[pymethods]
+impl PyEngine {
+    /// `config`: tokens_per_block, windows, full (group or None), tiers (two dicts of
+    /// chunk_bytes, num_chunks, group_chunks, block_bytes), group_blocks (two lists),
+    /// eviction_policy, enable_block_reuse, enable_partial_reuse, copy_on_partial_reuse,
+    /// secondary_offload_min_priority, event_buffer_max_size.
+    #[new]
+    fn new(config: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let tiers: Vec<Bound<'_, PyDict>> = get(config, "tiers")?;
+        if tiers.len() != 2 {
+            return Err(PyValueError::new_err(
+                "engine config: tiers needs two entries",
+            ));
+        }
+        let group_blocks: (Vec<usize>, Vec<usize>) = get(config, "group_blocks")?;
+        let cfg = EngineConfig {
+            tokens_per_block: get(config, "tokens_per_block")?,
+            windows: get(config, "windows")?,
+            full: get(config, "full")?,
+            tiers: [layout(&tiers[0])?, layout(&tiers[1])?],
+            group_blocks: [group_blocks.0, group_blocks.1],
+            eviction_policy: get(config, "eviction_policy")?,
+            enable_block_reuse: get(config, "enable_block_reuse")?,
+            enable_partial_reuse: get(config, "enable_partial_reuse")?,
+            copy_on_partial_reuse: get(config, "copy_on_partial_reuse")?,
+            secondary_offload_min_priority: get(config, "secondary_offload_min_priority")?,
+            event_buffer_max_size: get(config, "event_buffer_max_size")?,
+        };
+        if cfg.tokens_per_block == 0 {
+            return Err(PyValueError::new_err(
+                "engine config: tokens_per_block must be positive",
+            ));
+        }
+        let inner = Engine::new(cfg).map_err(PyValueError::new_err)?;
+        Ok(PyEngine { inner })
+    }
+
+    /// Open a sequence; returns its id. `retention`: None for the default policy, else
+    /// (ranges, decode_priority, decode_duration_ms) with ranges of (token_start, token_end,
+    /// priority, duration_ms).
+    #[pyo3(signature = (namespace, packed, tokens_list, recompute_last_token, retention, now))]
+    #[allow(clippy::too_many_arguments)] // the Python signature, one argument per field
+    fn open(
+        &mut self,
+        py: Python<'_>,
+        namespace: i64,
+        packed: Option<Bound<'_, PyBytes>>,
+        tokens_list: Option<Vec<u64>>,
+        recompute_last_token: bool,
+        retention: Option<(Vec<RangeTuple>, u8, Option<u64>)>,
+        now: f64,
+    ) -> PyResult<u64> {
+        let toks = tokens(packed.as_ref(), tokens_list)?;
+        let retention = self::retention(retention);
+        self.inner
+            .open(namespace, toks, recompute_last_token, retention, now)
+            .map_err(|e| raise(py, e))
+    }
+
+    #[pyo3(signature = (seq_id, packed, tokens_list, now))]
+    fn append(
+        &mut self,
+        py: Python<'_>,
+        seq_id: u64,
+        packed: Option<Bound<'_, PyBytes>>,
+        tokens_list: Option<Vec<u64>>,
+        now: f64,
+    ) -> PyResult<()> {
+        let toks = tokens(packed.as_ref(), tokens_list)?;
+        self.inner
+            .append(seq_id, toks, now)
+            .map_err(|e| raise(py, e))
+    }
+
+    fn commit(&mut self, py: Python<'_>, seq_id: u64, now: f64) -> PyResult<()> {
+        self.inner.commit(seq_id, now).map_err(|e| raise(py, e))
+    }
+
+    fn release(&mut self, py: Python<'_>, seq_id: u64, discard: bool, now: f64) -> PyResult<()> {
+        self.inner
+            .release(seq_id, discard, now)
+            .map_err(|e| raise(py, e))
+    }
+
+    fn has_sequence(&self, seq_id: u64) -> bool {
+        self.inner.sequences.contains_key(&seq_id)
+    }
+
+    /// (num_tokens, num_reused_tokens, block ids per group, first token per group).
+    fn handle<'py>(&self, py: Python<'py>, seq_id: u64) -> PyResult<Bound<'py, PyTuple>> {
+        let h = self.inner.handle(seq_id).map_err(|e| raise(py, e))?;
+        let tables = PyList::empty(py);
+        for t in &h.tables {
+            tables.append(PyTuple::new(py, t)?)?;
+        }
+        (h.num_tokens, h.num_reused_tokens, tables, h.first_token).into_pyobject(py)
+    }
+
+    /// The storage copies recorded since the last call, in order: (group, src_tier,
+    /// dst_tier, src ids, dst ids).
+    fn take_copies(&mut self) -> Vec<CopyTuple> {
+        self.inner
+            .take_copies()
+            .into_iter()
+            .map(|c| (c.group, c.src_tier, c.dst_tier, c.src, c.dst))
+            .collect()
+    }
+
+    #[pyo3(signature = (namespace, packed, tokens_list))]
+    fn lookup(
+        &self,
+        namespace: i64,
+        packed: Option<Bound<'_, PyBytes>>,
+        tokens_list: Option<Vec<u64>>,
+    ) -> PyResult<Vec<u8>> {
+        let toks = tokens(packed.as_ref(), tokens_list)?;
+        Ok(self.inner.lookup(namespace, &toks))
+    }
+
+    fn clear(&mut self, now: f64) -> usize {
+        self.inner.clear(now)
+    }
+
+    fn switch_policy(&mut self, policy: &str, now: f64) -> PyResult<()> {
+        self.inner
+            .switch_policy(policy, now)
+            .map_err(PyValueError::new_err)
+    }
+
+    /// Counters, as `CacheStats` names them.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = &self.inner.stats;
+        let d = PyDict::new(py);
+        d.set_item("queries_tokens", s.queries_tokens)?;
+        d.set_item("queries_blocks", s.queries_blocks)?;
+        d.set_item("hits_tokens", s.hits_tokens.to_vec())?;
+        d.set_item("hits_blocks", s.hits_blocks.to_vec())?;
+        d.set_item("partial_hit_tokens", s.partial_hit_tokens)?;
+        d.set_item("capacity_miss_tokens", s.capacity_miss_tokens)?;
+        d.set_item("capacity_miss_blocks", s.capacity_miss_blocks)?;
+        d.set_item("evictions", s.evictions.to_vec())?;
+        d.set_item("offloads", s.offloads)?;
+        d.set_item("onboards", s.onboards)?;
+        d.set_item("chunk_moves", s.chunk_moves)?;
+        d.set_item("sequences_opened", s.sequences_opened)?;
+        Ok(d)
+    }
+
+    /// Events, oldest first: ("stored", key, parent_key, tokens, tier, priority),
+    /// ("updated", key, tier, priority), ("removed", key, tier, reason), ("cleared",).
+    #[pyo3(signature = (limit=None))]
+    fn drain_events<'py>(
+        &mut self,
+        py: Python<'py>,
+        limit: Option<usize>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for event in self.inner.events.drain(limit) {
+            let item = match event {
+                Event::Stored {
+                    key,
+                    parent,
+                    tokens,
+                    tier,
+                    priority,
+                } => (
+                    "stored",
+                    key,
+                    parent,
+                    PyTuple::new(py, tokens.iter())?,
+                    tier,
+                    priority,
+                )
+                    .into_pyobject(py)?
+                    .into_any(),
+                Event::Updated {
+                    key,
+                    tier,
+                    priority,
+                } => ("updated", key, tier, priority)
+                    .into_pyobject(py)?
+                    .into_any(),
+                Event::Removed { key, tier, reason } => ("removed", key, tier, reason.name())
+                    .into_pyobject(py)?
+                    .into_any(),
+                Event::AllCleared => ("cleared",).into_pyobject(py)?.into_any(),
+            };
+            out.append(item)?;
+        }
+        Ok(out)
+    }
+
+    #[getter]
+    fn events_len(&self) -> usize {
+        self.inner.events.len()
+    }
+
+    #[getter]
+    fn events_dropped(&self) -> u64 {
+        self.inner.events.dropped
+    }
+
+    #[getter]
+    fn events_enabled(&self) -> bool {
+        self.inner.events.enabled()
+    }
+
+    fn resize_events(&mut self, max_size: usize) {
+        self.inner.resize_events(max_size);
+    }
+
+    #[getter]
+    fn ghost_len(&self) -> usize {
+        self.inner.ghost.len()
+    }
+
+    fn ghost_contains(&self, key: i64) -> bool {
+        self.inner.ghost.contains(key)
+    }
+
+    #[getter]
+    fn num_nodes(&self) -> usize {
+        self.inner.num_nodes()
+    }
+
+    #[getter]
+    fn num_open_sequences(&self) -> usize {
+        self.inner.num_open_sequences()
+    }
+
+    #[getter]
+    fn group_capacity(&self) -> Vec<usize> {
+        self.inner.group_capacity().to_vec()
+    }
+
+    /// Per group: ((capacity, free, pinned) of the primary tier, same of the secondary).
+    fn usage(&self) -> Vec<[(usize, usize, usize); 2]> {
+        self.inner.usage()
+    }
+
+    /// Which accessed keys to keep for the miss-ratio curve and the policy curve (a key is
+    /// kept when `key & mask == 0`; no mask: no policy curve).
+    #[pyo3(signature = (mrc_mask, mini_mask=None))]
+    fn set_sampling(&mut self, mrc_mask: u64, mini_mask: Option<u64>) {
+        self.inner.accesses.mrc_mask = mrc_mask;
+        self.inner.accesses.mini_mask = mini_mask;
+    }
+
+    /// (accesses since the last call, the sampled keys for each curve).
+    fn take_accesses(&mut self) -> (u64, Vec<i64>, Vec<i64>) {
+        let acc = &mut self.inner.accesses;
+        let count = std::mem::take(&mut acc.count);
+        (
+            count,
+            std::mem::take(&mut acc.mrc_keys),
+            std::mem::take(&mut acc.mini_keys),
+        )
+    }
+
+    /// Every node, parents before children: (node id, key, parent id or None for a
+    /// namespace's first blocks, depth, priority, expires_at or None, stored_at,
+    /// last_used, hits, tokens, per group (tier, block id, ref_count) or None).
+    fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        let st = &self.inner.store;
+        for n in self.inner.iter_nodes() {
+            let rec = &st.nodes[n as usize];
+            let parent = if st.nodes[rec.parent as usize].parent == NONE {
+                None
+            } else {
+                Some(rec.parent)
+            };
+            let blocks = PyList::empty(py);
+            for g in 0..self.inner.num_groups {
+                let b = st.block_of(n, g);
+                if b == NONE {
+                    blocks.append(py.None())?;
+                } else {
+                    let br = &st.blocks[b as usize];
+                    blocks.append((br.tier, br.block_id, br.ref_count))?;
+                }
+            }
+            let expires = if rec.expires_at.is_nan() {
+                None
+            } else {
+                Some(rec.expires_at)
+            };
+            let toks = PyTuple::new(py, st.node_tokens(n).to_vec())?;
+            out.append((
+                n,
+                rec.key,
+                parent,
+                rec.depth,
+                rec.priority,
+                expires,
+                rec.stored_at,
+                rec.last_used,
+                rec.hits,
+                toks,
+                blocks,
+            ))?;
+        }
+        Ok(out)
+    }
+
+    /// The namespace of each node's root, for the nodes of `nodes()` (same order).
+    fn namespaces(&self) -> Vec<i64> {
+        let st = &self.inner.store;
+        self.inner
+            .iter_nodes()
+            .into_iter()
+            .map(|mut n| {
+                while st.nodes[n as usize].parent != NONE {
+                    n = st.nodes[n as usize].parent;
+                }
+                st.nodes[n as usize].key
+            })
+            .collect()
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.inner.memory_bytes()
+    }
+}

@@ -1,0 +1,487 @@
+//! The engine's records: tree nodes and blocks in slabs, and the tokens of full blocks.
+//!
+//! Twin of `kvpool_agent/cache/block.py`. A node is one reusable token block of a prefix; a
+//! block is one slot of one pool group in one tier, attached to a node or private to the one
+//! sequence that writes it. Both live in slabs indexed by `u32` and are recycled through
+//! free lists, so the request path allocates nothing per block once the slabs have grown.
+//!
+//! A node's tokens are not a field of the node: they sit in one token arena (`tpb` u32
+//! slots per node), and the few nodes holding a token past 32 bits keep theirs in a side
+//! table. The tree finds children by key and reads the tokens only to confirm a match and to
+//! measure a partial one, as the Python engine does with its packed tokens.
+
+use rustc_hash::FxHashMap;
+
+use crate::eviction::{Item, Node, Records, DEFAULT_PRIORITY};
+
+pub const NONE: u32 = u32::MAX;
+pub const PRIMARY: u8 = 0;
+pub const SECONDARY: u8 = 1;
+
+/// One full block of tokens in the radix tree (a namespace root is a node too).
+#[derive(Clone, Debug)]
+pub struct NodeRec {
+    pub key: i64,
+    pub parent: u32,
+    pub first_child: u32,
+    pub last_child: u32,
+    pub prev_sibling: u32,
+    pub next_sibling: u32,
+    pub num_children: u32,
+    pub depth: u32,
+    pub priority: u8,
+    /// Expiry of the priority; NaN for none.
+    pub expires_at: f64,
+    pub stored_at: f64,
+    pub last_used: u64,
+    pub hits: u64,
+    /// Children whose full-attention block sits in each tier (the leaf test for eviction).
+    pub kids_in_tier: [u32; 2],
+    /// Whether some token of the block needs more than 32 bits (then in `Store::wide`).
+    pub wide: bool,
+    /// Still in the tree (false: a tombstone kept readable for a policy's `hold`).
+    pub alive: bool,
+    /// Holds by eviction policies (`Records::hold`).
+    pub holds: u32,
+}
+
+/// One slot of one group in one tier.
+#[derive(Clone, Debug)]
+pub struct BlockRec {
+    pub group: u16,
+    pub tier: u8,
+    pub block_id: u32,
+    pub ref_count: u32,
+    pub node: u32,
+    pub queue_level: i16,
+    /// Only ever grows in a slot, across the records that reuse it.
+    pub queue_stamp: u64,
+    /// Bumped when the record is freed: tells a record from a later one in the same slot.
+    pub gen: u32,
+}
+
+/// Slabs of nodes and blocks, the token arena and the children index.
+pub struct Store {
+    pub tpb: usize,
+    pub num_groups: usize,
+    pub nodes: Vec<NodeRec>,
+    free_nodes: Vec<u32>,
+    /// `node * num_groups + g` -> the node's block in group `g`, or NONE.
+    pub node_blocks: Vec<u32>,
+    /// `node * tpb ..` -> the node's tokens (nodes whose tokens all fit 32 bits).
+    tokens: Vec<u32>,
+    /// Tokens of the nodes with some token past 32 bits.
+    wide: FxHashMap<u32, Box<[u64]>>,
+    pub blocks: Vec<BlockRec>,
+    free_blocks: Vec<u32>,
+    /// (parent node, child key) -> child node.
+    children: FxHashMap<(u32, i64), u32>,
+    /// Parents with many children: first token -> how many children start with it (the
+    /// partial match skips parents where no child starts with the next token).
+    heads: FxHashMap<u32, FxHashMap<u64, u32>>,
+    pub live_nodes: usize,
+}
+
+/// Children from which a node indexes its children's first tokens (`block.HEADS_FROM`).
+pub const HEADS_FROM: u32 = 16;
+
+impl Store {
+    pub fn new(tpb: usize, num_groups: usize) -> Self {
+        Store {
+            tpb,
+            num_groups,
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            node_blocks: Vec::new(),
+            tokens: Vec::new(),
+            wide: FxHashMap::default(),
+            blocks: Vec::new(),
+            free_blocks: Vec::new(),
+            children: FxHashMap::default(),
+            heads: FxHashMap::default(),
+            live_nodes: 0,
+        }
+    }
+
+    // ------------------------------------------------------------------ nodes
+
+    /// A new node (not linked under its parent yet: `link_child` does that).
+    pub fn new_node(&mut self, key: i64, parent: u32, tokens: &[u64]) -> u32 {
+        let depth = if parent == NONE {
+            0
+        } else {
+            self.nodes[parent as usize].depth + 1
+        };
+        let rec = NodeRec {
+            key,
+            parent,
+            first_child: NONE,
+            last_child: NONE,
+            prev_sibling: NONE,
+            next_sibling: NONE,
+            num_children: 0,
+            depth,
+            priority: DEFAULT_PRIORITY,
+            expires_at: f64::NAN,
+            stored_at: 0.0,
+            last_used: 0,
+            hits: 0,
+            kids_in_tier: [0, 0],
+            wide: false,
+            alive: true,
+            holds: 0,
+        };
+        let g = self.num_groups;
+        let tpb = self.tpb;
+        let id = match self.free_nodes.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = rec;
+                id
+            }
+            None => {
+                let id = self.nodes.len() as u32;
+                self.nodes.push(rec);
+                self.node_blocks.resize(self.node_blocks.len() + g, NONE);
+                self.tokens.resize(self.tokens.len() + tpb, 0);
+                id
+            }
+        };
+        let base = id as usize * g;
+        self.node_blocks[base..base + g].fill(NONE);
+        if !tokens.is_empty() {
+            self.set_tokens(id, tokens);
+        }
+        self.live_nodes += 1;
+        id
+    }
+
+    fn set_tokens(&mut self, node: u32, tokens: &[u64]) {
+        let tpb = self.tpb;
+        if tokens.iter().all(|&t| t <= u32::MAX as u64) {
+            let row = &mut self.tokens[node as usize * tpb..(node as usize + 1) * tpb];
+            for (slot, &t) in row.iter_mut().zip(tokens) {
+                *slot = t as u32;
+            }
+        } else {
+            self.nodes[node as usize].wide = true;
+            self.wide.insert(node, tokens.into());
+        }
+    }
+
+    /// The node's tokens (a root has none).
+    pub fn node_tokens(&self, node: u32) -> TokensOf<'_> {
+        let rec = &self.nodes[node as usize];
+        if rec.parent == NONE {
+            return TokensOf::Narrow(&[]);
+        }
+        if rec.wide {
+            TokensOf::Wide(&self.wide[&node])
+        } else {
+            let tpb = self.tpb;
+            TokensOf::Narrow(&self.tokens[node as usize * tpb..(node as usize + 1) * tpb])
+        }
+    }
+
+    /// Whether the node holds exactly `tokens` (the packed compare of `packed.confirmed`).
+    pub fn tokens_equal(&self, node: u32, tokens: &[u64]) -> bool {
+        match self.node_tokens(node) {
+            TokensOf::Narrow(own) => {
+                own.len() == tokens.len() && own.iter().zip(tokens).all(|(&a, &b)| a as u64 == b)
+            }
+            TokensOf::Wide(own) => own == tokens,
+        }
+    }
+
+    /// How many leading tokens of `rest` the node's block starts with.
+    pub fn shared_prefix(&self, node: u32, rest: &[u64]) -> usize {
+        match self.node_tokens(node) {
+            TokensOf::Narrow(own) => own
+                .iter()
+                .zip(rest)
+                .take_while(|(&a, &b)| a as u64 == b)
+                .count(),
+            TokensOf::Wide(own) => own.iter().zip(rest).take_while(|(a, b)| a == b).count(),
+        }
+    }
+
+    pub fn first_token(&self, node: u32) -> u64 {
+        match self.node_tokens(node) {
+            TokensOf::Narrow(own) => own[0] as u64,
+            TokensOf::Wide(own) => own[0],
+        }
+    }
+
+    /// Link `child` as the last child of its parent (insertion order, as a dict keeps it).
+    pub fn link_child(&mut self, parent: u32, child: u32) {
+        let key = self.nodes[child as usize].key;
+        self.children.insert((parent, key), child);
+        let last = self.nodes[parent as usize].last_child;
+        self.nodes[child as usize].prev_sibling = last;
+        self.nodes[child as usize].next_sibling = NONE;
+        if last == NONE {
+            self.nodes[parent as usize].first_child = child;
+        } else {
+            self.nodes[last as usize].next_sibling = child;
+        }
+        let p = &mut self.nodes[parent as usize];
+        p.last_child = child;
+        p.num_children += 1;
+        // `head_added`: kept from HEADS_FROM children on.
+        if self.heads.contains_key(&parent) {
+            let first = self.first_token(child);
+            *self
+                .heads
+                .get_mut(&parent)
+                .unwrap()
+                .entry(first)
+                .or_insert(0) += 1;
+        } else if self.nodes[parent as usize].num_children >= HEADS_FROM {
+            let mut heads: FxHashMap<u64, u32> = FxHashMap::default();
+            let mut c = self.nodes[parent as usize].first_child;
+            while c != NONE {
+                *heads.entry(self.first_token(c)).or_insert(0) += 1;
+                c = self.nodes[c as usize].next_sibling;
+            }
+            self.heads.insert(parent, heads);
+        }
+    }
+
+    /// Unlink `child` from its parent's children.
+    pub fn unlink_child(&mut self, parent: u32, child: u32) {
+        let key = self.nodes[child as usize].key;
+        self.children.remove(&(parent, key));
+        let (prev, next) = {
+            let c = &self.nodes[child as usize];
+            (c.prev_sibling, c.next_sibling)
+        };
+        if prev == NONE {
+            self.nodes[parent as usize].first_child = next;
+        } else {
+            self.nodes[prev as usize].next_sibling = next;
+        }
+        if next == NONE {
+            self.nodes[parent as usize].last_child = prev;
+        } else {
+            self.nodes[next as usize].prev_sibling = prev;
+        }
+        self.nodes[parent as usize].num_children -= 1;
+        if self.heads.contains_key(&parent) {
+            let first = self.first_token(child);
+            let heads = self.heads.get_mut(&parent).unwrap();
+            let left = heads[&first] - 1;
+            if left == 0 {
+                heads.remove(&first);
+            } else {
+                heads.insert(first, left);
+            }
+        }
+    }
+
+    pub fn child(&self, parent: u32, key: i64) -> u32 {
+        *self.children.get(&(parent, key)).unwrap_or(&NONE)
+    }
+
+    /// Whether some child's tokens may start with `token` (`TreeNode.may_extend`).
+    pub fn may_extend(&self, node: u32, token: u64) -> bool {
+        match self.heads.get(&node) {
+            Some(heads) => heads.contains_key(&token),
+            None => self.nodes[node as usize].num_children > 0,
+        }
+    }
+
+    /// The children of `node`, oldest first.
+    pub fn children_of(&self, node: u32) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.nodes[node as usize].num_children as usize);
+        let mut c = self.nodes[node as usize].first_child;
+        while c != NONE {
+            out.push(c);
+            c = self.nodes[c as usize].next_sibling;
+        }
+        out
+    }
+
+    /// The node left the tree: free its slot, or keep it as a tombstone while held.
+    pub fn free_node(&mut self, node: u32) {
+        let rec = &mut self.nodes[node as usize];
+        debug_assert!(rec.alive);
+        rec.alive = false;
+        self.live_nodes -= 1;
+        self.heads.remove(&node);
+        if rec.holds == 0 {
+            self.recycle_node(node);
+        }
+    }
+
+    fn recycle_node(&mut self, node: u32) {
+        if self.nodes[node as usize].wide {
+            self.wide.remove(&node);
+            self.nodes[node as usize].wide = false;
+        }
+        self.free_nodes.push(node);
+    }
+
+    #[inline]
+    pub fn block_of(&self, node: u32, g: usize) -> u32 {
+        self.node_blocks[node as usize * self.num_groups + g]
+    }
+
+    #[inline]
+    pub fn set_block_of(&mut self, node: u32, g: usize, block: u32) {
+        self.node_blocks[node as usize * self.num_groups + g] = block;
+    }
+
+    // ------------------------------------------------------------------ blocks
+
+    pub fn new_block(&mut self, group: usize, tier: u8, block_id: u32) -> u32 {
+        match self.free_blocks.pop() {
+            Some(b) => {
+                let rec = &mut self.blocks[b as usize];
+                rec.group = group as u16;
+                rec.tier = tier;
+                rec.block_id = block_id;
+                rec.ref_count = 0;
+                rec.node = NONE;
+                rec.queue_level = -1;
+                b
+            }
+            None => {
+                self.blocks.push(BlockRec {
+                    group: group as u16,
+                    tier,
+                    block_id,
+                    ref_count: 0,
+                    node: NONE,
+                    queue_level: -1,
+                    queue_stamp: 0,
+                    gen: 0,
+                });
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+
+    /// The block record is gone (no node, no reference): its slot can be reused.
+    pub fn free_block(&mut self, b: u32) {
+        debug_assert!(self.blocks[b as usize].queue_level < 0);
+        let rec = &mut self.blocks[b as usize];
+        rec.node = NONE;
+        rec.gen = rec.gen.wrapping_add(1);
+        self.free_blocks.push(b);
+    }
+
+    /// Heap bytes the records take (capacity of every table), for the memory benchmark.
+    pub fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let map_entry = |k: usize, v: usize| k + v + 1; // hashbrown: one control byte a slot
+        self.nodes.capacity() * size_of::<NodeRec>()
+            + self.free_nodes.capacity() * 4
+            + self.node_blocks.capacity() * 4
+            + self.tokens.capacity() * 4
+            + self.wide.capacity() * map_entry(4, 16)
+            + self.wide.values().map(|v| v.len() * 8).sum::<usize>()
+            + self.blocks.capacity() * size_of::<BlockRec>()
+            + self.free_blocks.capacity() * 4
+            + self.children.capacity() * map_entry(16, 4)
+            + self.heads.capacity() * map_entry(4, 32)
+            + self
+                .heads
+                .values()
+                .map(|h| h.capacity() * map_entry(8, 4))
+                .sum::<usize>()
+    }
+}
+
+/// A node's tokens as stored.
+pub enum TokensOf<'a> {
+    Narrow(&'a [u32]),
+    Wide(&'a [u64]),
+}
+
+impl TokensOf<'_> {
+    pub fn to_vec(&self) -> Vec<u64> {
+        match self {
+            TokensOf::Narrow(t) => t.iter().map(|&x| x as u64).collect(),
+            TokensOf::Wide(t) => t.to_vec(),
+        }
+    }
+}
+
+impl Records for Store {
+    #[inline]
+    fn queue_level(&self, item: Item) -> i16 {
+        self.blocks[item as usize].queue_level
+    }
+    #[inline]
+    fn set_queue_level(&mut self, item: Item, level: i16) {
+        self.blocks[item as usize].queue_level = level;
+    }
+    #[inline]
+    fn queue_stamp(&self, item: Item) -> u64 {
+        self.blocks[item as usize].queue_stamp
+    }
+    #[inline]
+    fn bump_stamp(&mut self, item: Item) {
+        self.blocks[item as usize].queue_stamp += 1;
+    }
+    #[inline]
+    fn priority(&self, item: Item) -> u8 {
+        match self.blocks[item as usize].node {
+            NONE => DEFAULT_PRIORITY,
+            n => self.nodes[n as usize].priority,
+        }
+    }
+    #[inline]
+    fn expires_at(&self, item: Item) -> Option<f64> {
+        match self.blocks[item as usize].node {
+            NONE => None,
+            n => {
+                let at = self.nodes[n as usize].expires_at;
+                if at.is_nan() {
+                    None
+                } else {
+                    Some(at)
+                }
+            }
+        }
+    }
+    #[inline]
+    fn last_used(&self, item: Item) -> u64 {
+        match self.blocks[item as usize].node {
+            NONE => 0,
+            n => self.nodes[n as usize].last_used,
+        }
+    }
+    #[inline]
+    fn node(&self, item: Item) -> Node {
+        self.blocks[item as usize].node
+    }
+    #[inline]
+    fn key(&self, node: Node) -> i64 {
+        self.nodes[node as usize].key
+    }
+    #[inline]
+    fn node_last_used(&self, node: Node) -> u64 {
+        self.nodes[node as usize].last_used
+    }
+    #[inline]
+    fn parent(&self, node: Node) -> Option<Node> {
+        match self.nodes[node as usize].parent {
+            NONE => None,
+            p => Some(p),
+        }
+    }
+    #[inline]
+    fn num_children(&self, node: Node) -> usize {
+        self.nodes[node as usize].num_children as usize
+    }
+    fn hold(&mut self, node: Node) {
+        self.nodes[node as usize].holds += 1;
+    }
+    fn unhold(&mut self, node: Node) {
+        let rec = &mut self.nodes[node as usize];
+        rec.holds -= 1;
+        if rec.holds == 0 && !rec.alive {
+            self.recycle_node(node);
+        }
+    }
+}
