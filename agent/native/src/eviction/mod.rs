@@ -22,6 +22,24 @@
 //!   [`Records::hold`]: its slot keeps the node's key and `last_used` readable, and is not
 //!   reused, until the policy lets it go with [`Records::unhold`].
 
+pub mod arc;
+pub mod expert;
+pub mod float;
+pub mod guarded;
+pub mod heap;
+pub mod lrfu;
+pub mod lru;
+pub mod mixture;
+pub mod ordered;
+pub mod pyset;
+pub mod queue;
+pub mod registry;
+pub mod reuse_gap;
+pub mod shadow;
+pub mod toy;
+
+pub use queue::EvictionQueue;
+
 pub type Item = u32;
 pub type Node = u32;
 
@@ -38,6 +56,13 @@ pub trait Records {
     /// Bumped on every enqueue and dequeue; heap entries with an older stamp are stale.
     fn queue_stamp(&self, item: Item) -> u64;
     fn bump_stamp(&mut self, item: Item);
+    /// The stamp as the Python record counts it, where an entry sorts by it (reuse-gap's
+    /// `(term, stamp, sequence)`). An engine block is one Python `Block` for the life of its
+    /// slot, so this is `queue_stamp`; a shadow node is a new Python object per key and
+    /// counts from 0, while its slot's `queue_stamp` goes on from the slot's earlier nodes.
+    fn order_stamp(&self, item: Item) -> u64 {
+        self.queue_stamp(item)
+    }
     /// The item's node's priority and expiry (a shadow node: level 0, never expires).
     fn priority(&self, item: Item) -> u8;
     fn expires_at(&self, item: Item) -> Option<f64>;
