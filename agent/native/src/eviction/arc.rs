@@ -67,7 +67,10 @@ impl ArcQueue {
             p: 0.0,
             list_of: FxHashMap::default(),
             sizes: [0; 3],
-            ghosts: [OrderedMap::default(), OrderedMap::default()],
+            ghosts: [
+                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
+                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
+            ],
             queued: FxHashMap::default(),
             heaps: [LazyHeap::default(), LazyHeap::default()],
             order: 0,

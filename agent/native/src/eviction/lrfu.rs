@@ -69,7 +69,8 @@ impl LrfuQueue {
             live: 0,
             order: 0,
             capacity,
-            history: OrderedMap::default(),
+            // One past the bound: a new key is added before the oldest goes.
+            history: OrderedMap::with_limit(history_floor.max(HISTORY_FACTOR * capacity) + 1),
             history_floor,
         }
     }

@@ -27,6 +27,7 @@ pub mod expert;
 pub mod float;
 pub mod guarded;
 pub mod heap;
+pub mod keyed;
 pub mod lrfu;
 pub mod lru;
 pub mod mixture;

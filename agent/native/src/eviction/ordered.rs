@@ -4,32 +4,54 @@
 //!
 //! The Python policies depend on that order where they iterate or drop the oldest: LRFU's
 //! and ARC's bounded histories (`popitem(last=False)`), reuse-gap's `_forget` (a stable sort
-//! of the chains), the mixture's re-bucketing on a change of leader (`_where`). Entries sit
-//! in a vector in order, removed ones leave a hole; the holes are squeezed out (order kept)
-//! once they outnumber the entries.
+//! of the chains), the mixture's re-bucketing on a change of leader (`_where`). Entries are
+//! a doubly linked list in a slab (freed slots reused), indexed by key with [`KeyIndex`]:
+//! every operation is O(1) and an entry costs its key, its value and two links.
 
-use rustc_hash::FxHashMap;
+use super::keyed::KeyIndex;
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct Slot<V> {
+    key: i64,
+    prev: u32,
+    next: u32,
+    value: V,
+}
 
 #[derive(Debug, Clone)]
 pub struct OrderedMap<V> {
-    slots: Vec<Option<(i64, V)>>,
-    /// Key -> its slot.
-    index: FxHashMap<i64, u32>,
-    /// Slots before this one are all holes (where `pop_front` starts looking).
-    head: usize,
+    slots: Vec<Slot<V>>,
+    index: KeyIndex,
+    /// Freed slots, reused before the slab grows.
+    free: Vec<u32>,
+    head: u32,
+    tail: u32,
+    /// Most entries the owner ever keeps (0: no bound): the slab grows to it, not past it.
+    limit: usize,
 }
 
 impl<V> Default for OrderedMap<V> {
     fn default() -> Self {
-        OrderedMap {
-            slots: Vec::new(),
-            index: FxHashMap::default(),
-            head: 0,
-        }
+        Self::with_limit(0)
     }
 }
 
 impl<V> OrderedMap<V> {
+    /// A map its owner keeps to at most `limit` entries (a bounded history), so that the
+    /// slab's last doubling stops at the bound.
+    pub fn with_limit(limit: usize) -> Self {
+        OrderedMap {
+            slots: Vec::new(),
+            index: KeyIndex::default(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            limit,
+        }
+    }
+
     #[inline]
     pub fn len(&self) -> usize {
         self.index.len()
@@ -41,96 +63,163 @@ impl<V> OrderedMap<V> {
     }
 
     #[inline]
+    fn find(&self, key: i64) -> Option<u32> {
+        let slots = &self.slots;
+        self.index.get(key, |s| slots[s as usize].key)
+    }
+
+    #[inline]
     pub fn contains_key(&self, key: i64) -> bool {
-        self.index.contains_key(&key)
+        self.find(key).is_some()
     }
 
     #[inline]
     pub fn get(&self, key: i64) -> Option<&V> {
-        let at = *self.index.get(&key)?;
-        self.slots[at as usize].as_ref().map(|(_, v)| v)
+        self.find(key).map(|s| &self.slots[s as usize].value)
     }
 
     #[inline]
     pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
-        let at = *self.index.get(&key)?;
-        self.slots[at as usize].as_mut().map(|(_, v)| v)
+        let at = self.find(key)?;
+        Some(&mut self.slots[at as usize].value)
     }
 
     /// `d[key] = value`: in place when present, else at the end.
     #[inline]
     pub fn insert(&mut self, key: i64, value: V) {
-        if let Some(&at) = self.index.get(&key) {
-            self.slots[at as usize] = Some((key, value));
+        if let Some(at) = self.find(key) {
+            self.slots[at as usize].value = value;
             return;
         }
-        self.index.insert(key, self.slots.len() as u32);
-        self.slots.push(Some((key, value)));
+        let slot = Slot {
+            key,
+            prev: self.tail,
+            next: NIL,
+            value,
+        };
+        let at = match self.free.pop() {
+            Some(at) => {
+                self.slots[at as usize] = slot;
+                at
+            }
+            None => {
+                let len = self.slots.len();
+                if len == self.slots.capacity() && self.limit > len {
+                    let want = (2 * len).max(8).min(self.limit);
+                    self.slots.reserve_exact(want - len);
+                }
+                self.slots.push(slot);
+                len as u32
+            }
+        };
+        match self.tail {
+            NIL => self.head = at,
+            tail => self.slots[tail as usize].next = at,
+        }
+        self.tail = at;
+        let slots = &self.slots;
+        self.index.insert(key, at, |s| slots[s as usize].key);
     }
 
     /// `d.pop(key, None)`.
     #[inline]
-    pub fn remove(&mut self, key: i64) -> Option<V> {
-        let at = self.index.remove(&key)? as usize;
-        let (_, value) = self.slots[at].take()?;
-        self.squeeze();
-        Some(value)
+    pub fn remove(&mut self, key: i64) -> Option<V>
+    where
+        V: Copy,
+    {
+        let slots = &self.slots;
+        let at = self.index.remove(key, |s| slots[s as usize].key)?;
+        Some(self.unlink(at))
     }
 
     /// `d.popitem(last=False)`: the oldest entry.
     #[inline]
-    pub fn pop_front(&mut self) -> Option<(i64, V)> {
-        while self.head < self.slots.len() {
-            let at = self.head;
-            self.head += 1;
-            if let Some((key, value)) = self.slots[at].take() {
-                self.index.remove(&key);
-                self.squeeze();
-                return Some((key, value));
-            }
+    pub fn pop_front(&mut self) -> Option<(i64, V)>
+    where
+        V: Copy,
+    {
+        let at = self.head;
+        if at == NIL {
+            return None;
         }
-        None
+        let key = self.slots[at as usize].key;
+        let slots = &self.slots;
+        self.index.remove(key, |s| slots[s as usize].key);
+        Some((key, self.unlink(at)))
+    }
+
+    fn unlink(&mut self, at: u32) -> V
+    where
+        V: Copy,
+    {
+        let Slot {
+            prev, next, value, ..
+        } = self.slots[at as usize];
+        match prev {
+            NIL => self.head = next,
+            p => self.slots[p as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.slots[n as usize].prev = prev,
+        }
+        self.free.push(at);
+        if self.index.is_empty() {
+            // Empty: let the slab start over (keeps `free` from outgrowing the entries).
+            self.slots.clear();
+            self.free.clear();
+        }
+        value
     }
 
     /// Entries in order.
-    pub fn iter(&self) -> impl Iterator<Item = (i64, &V)> + '_ {
-        self.slots[self.head.min(self.slots.len())..]
-            .iter()
-            .filter_map(|s| s.as_ref().map(|(k, v)| (*k, v)))
+    pub fn iter(&self) -> Iter<'_, V> {
+        Iter {
+            map: self,
+            at: self.head,
+        }
     }
 
     /// Keep the entries `keep` accepts, in order.
-    pub fn retain(&mut self, mut keep: impl FnMut(i64, &V) -> bool) {
-        for slot in self.slots.iter_mut() {
-            if let Some((k, v)) = slot {
-                if !keep(*k, v) {
-                    self.index.remove(k);
-                    *slot = None;
-                }
+    pub fn retain(&mut self, mut keep: impl FnMut(i64, &V) -> bool)
+    where
+        V: Copy,
+    {
+        let mut at = self.head;
+        while at != NIL {
+            let slot = &self.slots[at as usize];
+            let (key, next) = (slot.key, slot.next);
+            if !keep(key, &slot.value) {
+                self.remove(key);
             }
-        }
-        self.squeeze();
-    }
-
-    /// Drop the holes once they outnumber the entries.
-    #[inline]
-    fn squeeze(&mut self) {
-        let live = self.index.len();
-        if self.slots.len() < 32 || self.slots.len() <= 2 * live {
-            return;
-        }
-        self.slots.retain(Option::is_some);
-        self.head = 0;
-        for (at, slot) in self.slots.iter().enumerate() {
-            if let Some((k, _)) = slot {
-                self.index.insert(*k, at as u32);
-            }
+            at = next;
         }
     }
 
     /// Heap bytes owned.
     pub fn memory_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Option<(i64, V)>>() + map_bytes(&self.index)
+        self.slots.capacity() * std::mem::size_of::<Slot<V>>()
+            + self.free.capacity() * 4
+            + self.index.memory_bytes()
+    }
+}
+
+pub struct Iter<'a, V> {
+    map: &'a OrderedMap<V>,
+    at: u32,
+}
+
+impl<'a, V> Iterator for Iter<'a, V> {
+    type Item = (i64, &'a V);
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.at == NIL {
+            return None;
+        }
+        let slot = &self.map.slots[self.at as usize];
+        self.at = slot.next;
+        Some((slot.key, &slot.value))
     }
 }
 
@@ -175,5 +264,9 @@ mod tests {
         let order: Vec<i64> = m.iter().map(|(k, _)| k).collect();
         assert_eq!(order, vec![2, 4, 6, 8, 90, 92, 94, 96, 98, 12]);
         assert_eq!(m.len(), 10);
+        while m.pop_front().is_some() {}
+        assert!(m.is_empty() && m.iter().next().is_none());
+        m.insert(7, 70);
+        assert_eq!(m.iter().collect::<Vec<_>>(), vec![(7, &70)]);
     }
 }

@@ -181,13 +181,17 @@ impl ReuseGapQueue {
             }
         }
         let (overdue, _) = best?;
-        let heap = if overdue {
-            &mut self.by_overdue
+        let (heap, other) = if overdue {
+            (&mut self.by_overdue, &mut self.by_rate)
         } else {
-            &mut self.by_rate
+            (&mut self.by_rate, &mut self.by_overdue)
         };
         let item = heap.pop_top().expect("the live top just peeked").item;
         self.live -= 1;
+        // The victim's entry in the other heap is stale now. Python compacts only on
+        // discard, so a queue that only pops piles them up; compacting here too changes
+        // the memory held, never the order (see heap.rs).
+        other.compact(self.live, Some(item), recs);
         let key = recs.key(recs.node(item));
         self.estimates.remove(&key);
         if let Some(head) = self.head_of.remove(&key) {

@@ -11,9 +11,7 @@
 //! and the traces' hash ids do. The Python shadow misbehaves on requests that break this
 //! (a key under two parents); neither is meant for them.
 
-use rustc_hash::FxHashMap;
-
-use super::ordered::map_bytes;
+use super::keyed::KeyIndex;
 use super::{Item, Node, Records};
 
 /// The slot of the root (key 0, never queued, never evicted).
@@ -47,6 +45,13 @@ pub struct ShadowNodes {
 
 impl Default for ShadowNodes {
     fn default() -> Self {
+        Self::with_capacity(0)
+    }
+}
+
+impl ShadowNodes {
+    /// Room for `capacity` nodes beside the root, allocated once.
+    pub fn with_capacity(capacity: usize) -> Self {
         let root = ShadowNode {
             key: 0,
             last_used: 0,
@@ -59,14 +64,14 @@ impl Default for ShadowNodes {
             pinned: false,
             alive: true,
         };
+        let mut nodes = Vec::with_capacity(capacity + 1);
+        nodes.push(root);
         ShadowNodes {
-            nodes: vec![root],
+            nodes,
             free: Vec::new(),
         }
     }
-}
 
-impl ShadowNodes {
     /// A new node `key` under `parent` (a reused slot keeps its stamp: stamps only grow).
     fn alloc(&mut self, key: i64, parent: Node) -> Node {
         let fresh = ShadowNode {
@@ -221,7 +226,7 @@ pub struct ShadowCache<Q> {
     queue: Q,
     nodes: ShadowNodes,
     /// Cached key -> its node.
-    cache: FxHashMap<i64, Node>,
+    cache: KeyIndex,
     tick: u64,
     path: Vec<Node>,
 }
@@ -236,8 +241,8 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
         Ok(ShadowCache {
             capacity,
             queue,
-            nodes: ShadowNodes::default(),
-            cache: FxHashMap::default(),
+            nodes: ShadowNodes::with_capacity(capacity),
+            cache: KeyIndex::with_capacity(capacity),
             tick: 0,
             path: Vec::new(),
         })
@@ -253,9 +258,16 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
         self.cache.is_empty()
     }
 
+    /// The node cached under `key`.
+    #[inline]
+    fn lookup(&self, key: i64) -> Option<Node> {
+        let nodes = &self.nodes;
+        self.cache.get(key, |n| nodes.at(n).key)
+    }
+
     #[inline]
     pub fn contains(&self, key: i64) -> bool {
-        self.cache.contains_key(&key)
+        self.lookup(key).is_some()
     }
 
     pub fn capacity(&self) -> usize {
@@ -263,7 +275,7 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
     }
 
     pub fn keys(&self) -> impl Iterator<Item = i64> + '_ {
-        self.cache.keys().copied()
+        self.cache.slots().map(|n| self.nodes.at(n).key)
     }
 
     pub fn queue(&self) -> &Q {
@@ -291,9 +303,9 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
     pub fn step_with(&mut self, keys: &[i64], mut changed: impl FnMut(i64)) -> usize {
         let mut path = std::mem::take(&mut self.path);
         path.clear();
-        for key in keys {
-            match self.cache.get(key) {
-                Some(&node) => path.push(node),
+        for &key in keys {
+            match self.lookup(key) {
+                Some(node) => path.push(node),
                 None => break,
             }
         }
@@ -316,7 +328,8 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
                 let v = self.nodes.at(victim);
                 (v.key, v.parent)
             };
-            self.cache.remove(&key);
+            let nodes = &self.nodes;
+            self.cache.remove(key, |n| nodes.at(n).key);
             let p = self.nodes.at_mut(parent);
             p.children -= 1;
             let orphan = parent != ROOT && p.children == 0 && !p.pinned;
@@ -346,7 +359,8 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
                 self.queue.on_access(key, tick);
             }
             self.nodes.at_mut(parent).children += 1;
-            self.cache.insert(key, node);
+            let nodes = &self.nodes;
+            self.cache.insert(key, node, |n| nodes.at(n).key);
             parent = node;
             changed(key);
         }
@@ -364,7 +378,7 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
     /// Heap bytes owned, the order's included.
     pub fn memory_bytes(&self) -> usize {
         self.nodes.memory_bytes()
-            + map_bytes(&self.cache)
+            + self.cache.memory_bytes()
             + self.path.capacity() * 4
             + self.queue.memory_bytes()
     }
