@@ -4,7 +4,8 @@
 //! Keys seen once (T1) and seen again (T2) are two LRU lists whose split adapts to hits on
 //! the ghosts of recently evicted keys (B1, B2). A queued leaf's current entry sits in the
 //! heap of the list its key was in when last looked at; `top` moves entries whose key has
-//! changed lists since.
+//! changed lists since. The key of a queued item is its node's (Python reads `block_id`,
+//! which is the key for a shadow node, the only record ARC orders).
 
 use rustc_hash::FxHashMap;
 

@@ -166,3 +166,50 @@ impl ShadowOrder for Expert {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eviction::shadow::ShadowCache;
+
+    fn shadow(kind: ExpertKind, capacity: usize) -> ShadowCache<Expert> {
+        ShadowCache::new(capacity, Expert::new(kind, capacity, Tuning::default())).unwrap()
+    }
+
+    /// `tests/replay/test_mixture.py`'s cases, on the compiled experts.
+    #[test]
+    fn lrfu_keeps_a_frequent_block_that_lru_drops_after_a_scan() {
+        let kept = |kind| {
+            let mut s = shadow(kind, 2);
+            for keys in [[1], [1], [1], [1], [1], [1], [10], [11]] {
+                s.step(&keys);
+            }
+            s.contains(1)
+        };
+        assert!(kept(ExpertKind::Lrfu));
+        assert!(!kept(ExpertKind::Lru));
+    }
+
+    #[test]
+    fn arc_protects_blocks_seen_twice_from_a_scan() {
+        let mut s = shadow(ExpertKind::Arc, 4);
+        for key in [1, 2, 1, 2] {
+            s.step(&[key]);
+        }
+        for key in 10..20 {
+            s.step(&[key]);
+        }
+        assert!(s.contains(1) && s.contains(2));
+    }
+
+    #[test]
+    fn reuse_gap_lets_go_of_what_it_holds() {
+        let mut s = shadow(ExpertKind::ReuseGap, 4);
+        for r in 0..50i64 {
+            s.step(&[r % 7, 100 + r % 3, 1000 + r]);
+        }
+        assert_eq!(s.nodes().held_dead(), 0);
+        assert_eq!(ExpertKind::parse("arc"), Ok(ExpertKind::Arc));
+        assert!(ExpertKind::parse("fifo").is_err());
+    }
+}

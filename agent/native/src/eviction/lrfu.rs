@@ -3,7 +3,8 @@
 //!
 //! Each key's `C = sum over its uses of 2 ** (-decay * age)`; the leaf with the smallest `C`
 //! goes first, ranked by `decay * used + log2 C(used)` so the key never goes stale. The
-//! history of keys (bounded, oldest dropped first) outlives their eviction.
+//! history of keys (bounded, oldest dropped first) outlives their eviction. The key of a
+//! queued item is its node's (Python reads `block_id`, the key of a shadow node).
 
 use super::float::{log2, pow};
 use super::heap::{Entry, LazyHeap, Stamped};

@@ -349,3 +349,45 @@ fn untrack(where_: &mut OrderedMap<(u8, Item)>, key: i64, item: Item) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eviction::guarded::guarded_policy;
+    use crate::eviction::shadow::ShadowNodes;
+
+    /// `test_only_requests_the_experts_disagree_on_age_the_scores`, compiled.
+    #[test]
+    fn only_disagreement_ages_the_scores() {
+        let experts = [ExpertKind::Lru, ExpertKind::Lrfu];
+        let mut m =
+            MixturePolicy::with_experts(2, &experts, HORIZON, None, Tuning::default()).unwrap();
+        let mut recs = ShadowNodes::default();
+        for keys in [[1], [1], [1], [10], [11]] {
+            m.observe(&keys, true, &mut recs);
+        }
+        assert_eq!(m.scores(), &[2.0, 2.0]);
+        m.observe(&[1], true, &mut recs);
+        let decay = pow(0.5, 1.0 / (HORIZON * 2.0));
+        assert_eq!(m.scores(), &[2.0 * decay, 2.0 * decay + 1.0]);
+        for key in 100..150 {
+            m.observe(&[key], true, &mut recs);
+        }
+        assert_eq!(m.scores(), &[2.0 * decay, 2.0 * decay + 1.0]);
+        assert_eq!(m.names()[m.leader()], "lrfu");
+        assert_eq!(m.switches(), 1);
+    }
+
+    #[test]
+    fn the_guarded_mixture_starts_with_lru_and_holds_it_on_a_tie() {
+        let mut m = guarded_policy(8);
+        let mut recs = ShadowNodes::default();
+        assert_eq!(m.names(), vec!["lru", "reuse-gap", "lrfu", "arc"]);
+        m.observe(&[], true, &mut recs);
+        m.observe(&[1, 2], true, &mut recs);
+        m.observe(&[3], true, &mut recs);
+        assert_eq!((m.leader(), m.switches()), (0, 0));
+        assert!(m.leader_holds(1) && m.leader_holds(3));
+        assert!(MixturePolicy::with_experts(8, &[], HORIZON, None, Tuning::default()).is_err());
+    }
+}

@@ -299,3 +299,87 @@ impl ShadowOrder for EvictionQueue {
         EvictionQueue::memory_bytes(self)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eviction::toy::ToyStore;
+
+    /// A root and `n` leaves under it, one block each, used at ticks 1..=n.
+    fn flat(n: u32) -> (ToyStore, Vec<Item>) {
+        let mut store = ToyStore::default();
+        let root = store.add_node(0, None, 0, DEFAULT_PRIORITY, None);
+        let items = (0..n)
+            .map(|i| {
+                let node = store.add_node(i as i64 + 1, Some(root), i as u64 + 1, 35, None);
+                store.add_item(node)
+            })
+            .collect();
+        (store, items)
+    }
+
+    #[test]
+    fn lower_priorities_go_first_then_least_recent() {
+        let (mut store, items) = flat(4);
+        store.set_priority(store.node(items[0]), 80, None);
+        store.set_priority(store.node(items[3]), 10, None);
+        let mut queue = EvictionQueue::new("lru", 4).unwrap();
+        for &item in &items {
+            queue.push(item, 0.0, &mut store);
+        }
+        assert_eq!(queue.len(), 4);
+        let order: Vec<Item> = std::iter::from_fn(|| queue.pop(0.0, &mut store)).collect();
+        assert_eq!(order, vec![items[3], items[1], items[2], items[0]]);
+        assert!(queue.is_empty());
+    }
+
+    #[test]
+    fn an_expired_priority_protects_nothing() {
+        let (mut store, items) = flat(2);
+        store.set_priority(store.node(items[0]), 90, Some(5.0));
+        let mut queue = EvictionQueue::new("lru", 2).unwrap();
+        queue.push(items[0], 0.0, &mut store);
+        queue.push(items[1], 0.0, &mut store);
+        assert_eq!(store.queue_level(items[0]), 90);
+        assert_eq!(queue.pop(1.0, &mut store), Some(items[1]));
+        queue.push(items[1], 1.0, &mut store);
+        // At 5.0 the first block is back at the default level, and older.
+        assert_eq!(queue.pop(5.0, &mut store), Some(items[0]));
+    }
+
+    #[test]
+    fn discard_requeue_and_unknown_names() {
+        let (mut store, items) = flat(3);
+        let mut queue = EvictionQueue::new("reuse-gap", 3).unwrap();
+        for &item in &items {
+            queue.push(item, 0.0, &mut store);
+        }
+        queue.discard(items[1], &mut store);
+        queue.discard(items[1], &mut store); // not queued: a no-op
+        assert_eq!(queue.len(), 2);
+        store.set_priority(store.node(items[0]), 0, None);
+        queue.requeue(items[0], 0.0, &mut store);
+        assert_eq!(queue.pop(0.0, &mut store), Some(items[0]));
+        queue.requeue(items[1], 0.0, &mut store); // not queued: stays out
+        assert_eq!(queue.pop(0.0, &mut store), Some(items[2]));
+        assert_eq!(queue.pop(0.0, &mut store), None);
+        let err = EvictionQueue::new("fifo", 3).unwrap_err();
+        assert!(err.contains("lru, mixture, mixture-v1, reuse-gap"), "{err}");
+        assert!(EvictionQueue::new("mixture", 3).unwrap().watches_requests());
+        assert!(!EvictionQueue::new("lru", 3).unwrap().watches_requests());
+    }
+
+    #[test]
+    fn the_mixture_evicts_first_what_its_leader_lacks() {
+        let (mut store, items) = flat(3);
+        let mut queue = EvictionQueue::new("mixture", 2).unwrap();
+        queue.observe(&[1], true, &mut store);
+        queue.observe(&[3], true, &mut store); // the leader (LRU) holds keys 1 and 3
+        for &item in &items {
+            queue.push(item, 0.0, &mut store);
+        }
+        assert_eq!(queue.pop(0.0, &mut store), Some(items[1])); // key 2: lacking
+        assert_eq!(queue.pop(0.0, &mut store), Some(items[0]));
+        assert!(queue.memory_bytes() > 0);
+    }
+}

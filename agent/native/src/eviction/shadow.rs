@@ -383,3 +383,58 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
             + self.queue.memory_bytes()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eviction::expert::{Expert, ExpertKind, Tuning};
+
+    fn lru(capacity: usize) -> ShadowCache<Expert> {
+        ShadowCache::new(
+            capacity,
+            Expert::new(ExpertKind::Lru, capacity, Tuning::default()),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn serves_prefixes_and_evicts_leaves() {
+        let mut shadow = lru(3);
+        assert_eq!(shadow.step(&[1, 2]), 0);
+        assert_eq!(shadow.step(&[1, 2, 3]), 2);
+        let mut changed = Vec::new();
+        // Room for 4 and 5 takes 3, then 2 (a leaf once 3 is gone): 1 stays, as the path.
+        assert_eq!(shadow.step_with(&[1, 4, 5], |k| changed.push(k)), 1);
+        assert_eq!(changed, vec![3, 2, 4, 5]);
+        let mut keys: Vec<i64> = shadow.keys().collect();
+        keys.sort();
+        assert_eq!(keys, vec![1, 4, 5]);
+        assert!(ShadowCache::new(0, Expert::new(ExpertKind::Lru, 0, Tuning::default())).is_err());
+    }
+
+    #[test]
+    fn caches_only_what_fits() {
+        let mut shadow = lru(2);
+        assert_eq!(shadow.step(&[1, 2, 3]), 0);
+        assert_eq!(shadow.len(), 2);
+        assert!(shadow.contains(1) && shadow.contains(2) && !shadow.contains(3));
+    }
+
+    #[test]
+    fn a_held_node_keeps_its_slot_after_eviction() {
+        let mut nodes = ShadowNodes::default();
+        let a = nodes.alloc(7, ROOT);
+        nodes.at_mut(a).last_used = 3;
+        nodes.hold(a);
+        nodes.drop_node(a);
+        let b = nodes.alloc(8, ROOT);
+        assert_ne!(a, b);
+        assert_eq!((nodes.key(a), nodes.node_last_used(a)), (7, 3));
+        assert_eq!(nodes.held_dead(), 1);
+        nodes.bump_stamp(a);
+        nodes.unhold(a);
+        let c = nodes.alloc(9, ROOT);
+        assert_eq!(c, a); // reused once let go, its stamp going on, its Python stamp at 0
+        assert_eq!((nodes.queue_stamp(c), nodes.order_stamp(c)), (1, 0));
+    }
+}
