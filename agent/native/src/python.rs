@@ -5,5 +5,6 @@ use pyo3::prelude::*;
 #[pymodule]
 fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    crate::eviction::py::register(m)?;
     Ok(())
 }

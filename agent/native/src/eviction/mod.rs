@@ -39,6 +39,9 @@ pub mod reuse_gap;
 pub mod shadow;
 pub mod toy;
 
+#[cfg(feature = "python")]
+pub mod py;
+
 pub use queue::EvictionQueue;
 
 pub type Item = u32;
