@@ -23,7 +23,7 @@ use super::float;
 use super::guarded::{guarded_with, GUARDED_EXPERTS};
 use super::mixture::{self, MixturePolicy};
 use super::pyset::PySet;
-use super::queue::EvictionQueue;
+use super::queue::{EvictionQueue, MiniCache};
 use super::shadow::{ShadowCache, ShadowNodes};
 use super::toy::ToyStore;
 use super::{Item, Node, Records, DEFAULT_PRIORITY, MAX_PRIORITY};
@@ -264,11 +264,9 @@ impl MiniTwin {
 
     /// The policy observes the request, then the cache serves it; returns its hits.
     fn step(&mut self, keys: Vec<i64>) -> usize {
-        let (queue, nodes) = self.cache.parts_mut();
-        queue.observe(&keys, true, nodes);
         self.changed.clear();
         let changed = &mut self.changed;
-        self.cache.step_with(&keys, |k| changed.push(k))
+        self.cache.observe_and_step(&keys, |k| changed.push(k))
     }
 
     #[getter]
@@ -542,15 +540,12 @@ fn bench_mini(
     capacity: usize,
     requests: Vec<Vec<i64>>,
 ) -> PyResult<(u64, u64, usize)> {
-    let queue = EvictionQueue::new(policy, capacity).map_err(value_error)?;
-    let mut cache = ShadowCache::new(capacity, queue).map_err(value_error)?;
+    let mut cache = MiniCache::mini(policy, capacity).map_err(value_error)?;
     Ok(py.detach(|| {
         let start = Instant::now();
         let mut hits = 0u64;
         for keys in &requests {
-            let (queue, nodes) = cache.parts_mut();
-            queue.observe(keys, true, nodes);
-            hits += cache.step(keys) as u64;
+            hits += cache.observe_and_step(keys, |_| {}) as u64;
         }
         let ns = start.elapsed().as_nanos() as u64;
         (hits, ns, cache.memory_bytes())

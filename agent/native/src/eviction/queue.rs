@@ -14,7 +14,7 @@ use super::lru::LruQueue;
 use super::mixture::{self, MixturePolicy};
 use super::registry::PolicyKind;
 use super::reuse_gap::{self, ReuseGapQueue};
-use super::shadow::{ShadowNodes, ShadowOrder};
+use super::shadow::{ShadowCache, ShadowNodes, ShadowOrder};
 use super::{effective_priority, Item, Node, Records, DEFAULT_PRIORITY, MAX_PRIORITY};
 
 const LEVELS: usize = MAX_PRIORITY as usize + 1;
@@ -300,6 +300,24 @@ impl ShadowOrder for EvictionQueue {
     }
 }
 
+/// `miniature._Mini`: a registry policy's whole queue in a shadow cache.
+pub type MiniCache = ShadowCache<EvictionQueue>;
+
+impl ShadowCache<EvictionQueue> {
+    /// A miniature of `policy` holding `capacity` blocks.
+    pub fn mini(policy: &str, capacity: usize) -> Result<Self, String> {
+        ShadowCache::new(capacity, EvictionQueue::new(policy, capacity)?)
+    }
+
+    /// `_Mini.step`: the policy observes the request, then the cache serves it; `changed`
+    /// gets the keys that leave and enter. Returns the request's hits.
+    pub fn observe_and_step(&mut self, keys: &[i64], changed: impl FnMut(i64)) -> usize {
+        let (queue, nodes) = self.parts_mut();
+        queue.observe(keys, true, nodes);
+        self.step_with(keys, changed)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -367,6 +385,22 @@ mod tests {
         assert!(err.contains("lru, mixture, mixture-v1, reuse-gap"), "{err}");
         assert!(EvictionQueue::new("mixture", 3).unwrap().watches_requests());
         assert!(!EvictionQueue::new("lru", 3).unwrap().watches_requests());
+    }
+
+    #[test]
+    fn serves_an_engine_through_a_trait_object() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<EvictionQueue>();
+        let (mut store, items) = flat(2);
+        let recs: &mut dyn Records = &mut store;
+        let mut queue = EvictionQueue::new("mixture", 2).unwrap();
+        queue.observe(&[2], true, recs);
+        queue.push(items[0], 0.0, recs);
+        queue.push(items[1], 0.0, recs);
+        queue.requeue(items[1], 0.0, recs);
+        assert_eq!(queue.pop(0.0, recs), Some(items[0]));
+        queue.discard(items[1], recs);
+        assert_eq!(queue.pop(0.0, recs), None);
     }
 
     #[test]
