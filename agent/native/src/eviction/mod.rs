@@ -21,6 +21,16 @@
 //! - a node a policy remembers beyond its life (`reuse-gap`'s chain heads) is held with
 //!   [`Records::hold`]: its slot keeps the node's key and `last_used` readable, and is not
 //!   reused, until the policy lets it go with [`Records::unhold`].
+//!
+//! Exactness also needs the engine's stamps to be the Python engine's: reuse-gap sorts ties
+//! by `(stamp, sequence)`, and a Python `Block` keeps its `queue_stamp` for the life of its
+//! pool slot, so an engine item must be that slot, counting from 0 like the `Block` did
+//! ([`Records::order_stamp`] is how a shadow, whose Python nodes are new objects, differs).
+//!
+//! [`EvictionQueue`] is the engine's entry point: one per (tier, pool group), its methods
+//! generic over `R: Records + ?Sized` (so `&mut dyn Records` works, and a concrete store is
+//! monomorphized). `observe` takes the records too: a change of leader re-buckets queued
+//! blocks by their `last_used`.
 
 pub mod arc;
 pub mod expert;
