@@ -36,7 +36,7 @@ struct ShadowNode {
     alive: bool,
 }
 
-/// The shadow's nodes: a slab of [`ShadowNode`]s with a free list.
+/// The shadow's nodes: a slab of `ShadowNode`s with a free list.
 #[derive(Debug, Clone)]
 pub struct ShadowNodes {
     nodes: Vec<ShadowNode>,
