@@ -16,11 +16,25 @@ const MIN_SIZE: usize = 8;
 const LINEAR_PROBES: usize = 9;
 const PERTURB_SHIFT: u32 = 5;
 
-#[derive(Debug, Clone, Copy, Default)]
+/// A table slot; `hash == EMPTY` marks a free one (CPython never hashes an int to -1).
+#[derive(Debug, Clone, Copy)]
 struct Slot {
     key: i64,
     hash: i64,
-    full: bool,
+}
+
+const EMPTY: i64 = -1;
+
+impl Slot {
+    const FREE: Slot = Slot {
+        key: 0,
+        hash: EMPTY,
+    };
+
+    #[inline]
+    fn full(&self) -> bool {
+        self.hash != EMPTY
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -35,7 +49,7 @@ pub struct PySet {
 impl Default for PySet {
     fn default() -> Self {
         PySet {
-            table: vec![Slot::default(); MIN_SIZE],
+            table: vec![Slot::FREE; MIN_SIZE],
             mask: MIN_SIZE - 1,
             fill: 0,
             used: 0,
@@ -68,12 +82,8 @@ impl PySet {
             };
             for at in i..=i + probes {
                 let slot = self.table[at];
-                if !slot.full {
-                    self.table[at] = Slot {
-                        key,
-                        hash,
-                        full: true,
-                    };
+                if !slot.full() {
+                    self.table[at] = Slot { key, hash };
                     self.fill += 1;
                     self.used += 1;
                     if self.fill * 5 >= mask * 3 {
@@ -101,7 +111,7 @@ impl PySet {
             return;
         }
         self.table.clear();
-        self.table.resize(MIN_SIZE, Slot::default());
+        self.table.resize(MIN_SIZE, Slot::FREE);
         self.mask = MIN_SIZE - 1;
         self.fill = 0;
         self.used = 0;
@@ -109,7 +119,7 @@ impl PySet {
 
     /// Keys in the order `for key in set` gives them.
     pub fn iter(&self) -> impl Iterator<Item = i64> + '_ {
-        self.table.iter().filter(|s| s.full).map(|s| s.key)
+        self.table.iter().filter(|s| s.full()).map(|s| s.key)
     }
 
     fn resize(&mut self, min_used: usize) {
@@ -117,9 +127,9 @@ impl PySet {
         while size <= min_used {
             size <<= 1;
         }
-        let old = std::mem::replace(&mut self.table, vec![Slot::default(); size]);
+        let old = std::mem::replace(&mut self.table, vec![Slot::FREE; size]);
         self.mask = size - 1;
-        for slot in old.into_iter().filter(|s| s.full) {
+        for slot in old.into_iter().filter(Slot::full) {
             self.insert_clean(slot);
         }
         self.fill = self.used;
@@ -137,7 +147,7 @@ impl PySet {
                 0
             };
             for at in i..=i + probes {
-                if !self.table[at].full {
+                if !self.table[at].full() {
                     self.table[at] = slot;
                     return;
                 }
