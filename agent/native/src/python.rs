@@ -6,5 +6,6 @@ use pyo3::prelude::*;
 fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     crate::engine::py::register(m)?;
+    crate::eviction::py::register(m)?;
     Ok(())
 }

@@ -15,7 +15,6 @@
 //! commit, release, lookup, clear), `tree.rs` (match, store, join, drop, prune), `tiers.rs`
 //! (evict, offload, onboard, take-over, partial copy, capacity).
 
-mod interim_queue;
 pub mod log;
 pub mod pool;
 mod requests;
@@ -30,7 +29,7 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
-use interim_queue::EvictionQueue;
+use crate::eviction::EvictionQueue;
 use log::{Counters, EventLog, GhostList};
 use pool::{TierLayout, TierPool};
 use store::{Store, NONE, PRIMARY, SECONDARY};

@@ -422,4 +422,24 @@ impl PyEngine {
     fn memory_bytes(&self) -> usize {
         self.inner.memory_bytes()
     }
+
+    /// For tests: the mixture policy of (tier, group), if it runs one: (leader, scores,
+    /// switches).
+    fn mixture_state(&self, tier: usize, group: usize) -> Option<(usize, Vec<f64>, u64)> {
+        self.inner.queues[tier][group]
+            .mixture()
+            .map(|m| (m.leader(), m.scores().to_vec(), m.switches()))
+    }
+
+    /// For tests: pop every queued block of (tier, group) in eviction order, returning
+    /// (block id, node key) each; the queue is left empty (destructive).
+    fn drain_queue(&mut self, tier: usize, group: usize, now: f64) -> Vec<(u32, i64)> {
+        let eng = &mut self.inner;
+        let mut out = Vec::new();
+        while let Some(b) = eng.queues[tier][group].pop(now, &mut eng.store) {
+            let rec = &eng.store.blocks[b as usize];
+            out.push((rec.block_id, eng.store.nodes[rec.node as usize].key));
+        }
+        out
+    }
 }

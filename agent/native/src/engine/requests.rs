@@ -108,7 +108,7 @@ impl Engine {
         if !self.observers.is_empty() && self.cfg.enable_block_reuse {
             let keys = self.block_keys(namespace, &seq.tokens, &path);
             for &(tier, g) in &self.observers.clone() {
-                self.queues[tier as usize][g].observe(&keys, true);
+                self.queues[tier as usize][g].observe(&keys, true, &mut self.store);
             }
             seq.observed = keys.len();
         }

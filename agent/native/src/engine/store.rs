@@ -56,6 +56,9 @@ pub struct BlockRec {
     pub queue_level: i16,
     /// Only ever grows in a slot, across the records that reuse it.
     pub queue_stamp: u64,
+    /// `queue_stamp` when this record took the slot: the Python `Block`'s own stamp is
+    /// `queue_stamp - stamp_base` (it counts from 0), and reuse-gap sorts by it.
+    pub stamp_base: u64,
     /// Bumped when the record is freed: tells a record from a later one in the same slot.
     pub gen: u32,
 }
@@ -342,6 +345,7 @@ impl Store {
                 rec.ref_count = 0;
                 rec.node = NONE;
                 rec.queue_level = -1;
+                rec.stamp_base = rec.queue_stamp;
                 b
             }
             None => {
@@ -353,6 +357,7 @@ impl Store {
                     node: NONE,
                     queue_level: -1,
                     queue_stamp: 0,
+                    stamp_base: 0,
                     gen: 0,
                 });
                 (self.blocks.len() - 1) as u32
@@ -422,6 +427,11 @@ impl Records for Store {
     #[inline]
     fn bump_stamp(&mut self, item: Item) {
         self.blocks[item as usize].queue_stamp += 1;
+    }
+    #[inline]
+    fn order_stamp(&self, item: Item) -> u64 {
+        let rec = &self.blocks[item as usize];
+        rec.queue_stamp - rec.stamp_base
     }
     #[inline]
     fn priority(&self, item: Item) -> u8 {

@@ -197,7 +197,7 @@ impl Engine {
                 .map(|&n| self.store.nodes[n as usize].key)
                 .collect();
             for &(tier, g) in &self.observers.clone() {
-                self.queues[tier as usize][g].observe(&keys, false);
+                self.queues[tier as usize][g].observe(&keys, false, &mut self.store);
             }
             seq.observed = full;
         }

@@ -21,6 +21,38 @@
 //! - a node a policy remembers beyond its life (`reuse-gap`'s chain heads) is held with
 //!   [`Records::hold`]: its slot keeps the node's key and `last_used` readable, and is not
 //!   reused, until the policy lets it go with [`Records::unhold`].
+//!
+//! Exactness also needs the engine's stamps to be the Python engine's: reuse-gap sorts ties
+//! by `(stamp, sequence)`, and a Python `Block` keeps its `queue_stamp` for the life of its
+//! pool slot, so an engine item must be that slot, counting from 0 like the `Block` did
+//! ([`Records::order_stamp`] is how a shadow, whose Python nodes are new objects, differs).
+//!
+//! [`EvictionQueue`] is the engine's entry point: one per (tier, pool group), its methods
+//! generic over `R: Records + ?Sized` (so `&mut dyn Records` works, and a concrete store is
+//! monomorphized). `observe` takes the records too: a change of leader re-buckets queued
+//! blocks by their `last_used`.
+
+pub mod arc;
+pub mod expert;
+pub mod float;
+pub mod guarded;
+pub mod heap;
+pub mod keyed;
+pub mod lrfu;
+pub mod lru;
+pub mod mixture;
+pub mod ordered;
+pub mod pyset;
+pub mod queue;
+pub mod registry;
+pub mod reuse_gap;
+pub mod shadow;
+pub mod toy;
+
+#[cfg(feature = "python")]
+pub mod py;
+
+pub use queue::EvictionQueue;
 
 pub type Item = u32;
 pub type Node = u32;
@@ -38,6 +70,13 @@ pub trait Records {
     /// Bumped on every enqueue and dequeue; heap entries with an older stamp are stale.
     fn queue_stamp(&self, item: Item) -> u64;
     fn bump_stamp(&mut self, item: Item);
+    /// The stamp as the Python record counts it, where an entry sorts by it (reuse-gap's
+    /// `(term, stamp, sequence)`): a Python `Block` or shadow node is a new object, counting
+    /// from 0, each time a slot is reused, while the slot's `queue_stamp` goes on from the
+    /// slot's earlier records (so stale entries never match).
+    fn order_stamp(&self, item: Item) -> u64 {
+        self.queue_stamp(item)
+    }
     /// The item's node's priority and expiry (a shadow node: level 0, never expires).
     fn priority(&self, item: Item) -> u8;
     fn expires_at(&self, item: Item) -> Option<f64>;

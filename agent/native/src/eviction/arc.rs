@@ -1,0 +1,199 @@
+//! Follows `arc.py`: ARC (Megiddo and Modha, 2003) over a cache's leaves, an expert of the
+//! mixture, run only inside shadow caches (it must see every access).
+//!
+//! Keys seen once (T1) and seen again (T2) are two LRU lists whose split adapts to hits on
+//! the ghosts of recently evicted keys (B1, B2). A queued leaf's current entry sits in the
+//! heap of the list its key was in when last looked at; `top` moves entries whose key has
+//! changed lists since. The key of a queued item is its node's (Python reads `block_id`,
+//! which is the key for a shadow node, the only record ARC orders).
+
+use rustc_hash::FxHashMap;
+
+use super::float::{py_max, py_min};
+use super::heap::{Entry, LazyHeap, Stamped};
+use super::ordered::{map_bytes, OrderedMap};
+use super::{Item, Records};
+
+/// Each ghost list remembers up to this many times the capacity in evicted keys.
+pub const GHOST_FACTOR: usize = 4;
+
+/// `(last_used, order, stamp, block)`.
+#[derive(Debug, Clone, Copy)]
+pub struct ArcEntry {
+    last_used: u64,
+    order: u64,
+    stamp: u64,
+    item: Item,
+}
+
+impl Entry for ArcEntry {
+    #[inline]
+    fn less(&self, other: &Self) -> bool {
+        (self.last_used, self.order) < (other.last_used, other.order)
+    }
+}
+
+impl Stamped for ArcEntry {
+    #[inline]
+    fn item(&self) -> Item {
+        self.item
+    }
+    #[inline]
+    fn stamp(&self) -> u64 {
+        self.stamp
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ArcQueue {
+    capacity: usize,
+    p: f64,
+    /// Cached key -> 1 (T1) or 2 (T2).
+    list_of: FxHashMap<i64, u8>,
+    /// Keys per list (index 1 and 2).
+    sizes: [i64; 3],
+    /// B1 and B2, oldest first.
+    ghosts: [OrderedMap<()>; 2],
+    /// Queued leaf -> the list whose heap holds its current entry.
+    queued: FxHashMap<Item, u8>,
+    /// The heaps of T1 and T2.
+    heaps: [LazyHeap<ArcEntry>; 2],
+    order: u64,
+}
+
+impl ArcQueue {
+    pub fn new(capacity: usize) -> Self {
+        ArcQueue {
+            capacity,
+            p: 0.0,
+            list_of: FxHashMap::default(),
+            sizes: [0; 3],
+            ghosts: [
+                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
+                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
+            ],
+            queued: FxHashMap::default(),
+            heaps: [LazyHeap::default(), LazyHeap::default()],
+            order: 0,
+        }
+    }
+
+    pub fn on_access(&mut self, key: i64) {
+        match self.list_of.get(&key) {
+            Some(2) => return,
+            Some(1) => {
+                self.list_of.insert(key, 2);
+                self.sizes[1] -= 1;
+                self.sizes[2] += 1;
+                return;
+            }
+            _ => {}
+        }
+        let (b1, b2) = (self.ghosts[0].len(), self.ghosts[1].len());
+        let target = if self.ghosts[0].contains_key(key) {
+            let step = py_max(b2 as f64 / b1.max(1) as f64, 1.0);
+            self.p = py_min(self.capacity as f64, self.p + step);
+            self.ghosts[0].remove(key);
+            2
+        } else if self.ghosts[1].contains_key(key) {
+            let step = py_max(b1 as f64 / b2.max(1) as f64, 1.0);
+            self.p = py_max(0.0, self.p - step);
+            self.ghosts[1].remove(key);
+            2
+        } else {
+            1
+        };
+        self.list_of.insert(key, target);
+        self.sizes[target as usize] += 1;
+    }
+
+    pub fn push<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+        let key = recs.key(recs.node(item));
+        let which = self.list_of.get(&key).copied().unwrap_or(1);
+        self.heaps[which as usize - 1].push(ArcEntry {
+            last_used: recs.last_used(item),
+            order: self.order,
+            stamp: recs.queue_stamp(item),
+            item,
+        });
+        self.order += 1;
+        self.queued.insert(item, which);
+    }
+
+    pub fn discard<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+        self.queued.remove(&item);
+        let live = self.queued.len();
+        self.heaps[0].compact(live, Some(item), recs);
+        self.heaps[1].compact(live, Some(item), recs);
+    }
+
+    /// The least recent current entry of list `which`, moving those whose key changed lists
+    /// since to the other list's heap.
+    fn top<R: Records + ?Sized>(&mut self, which: u8, recs: &mut R) -> Option<ArcEntry> {
+        loop {
+            let entry = self.heaps[which as usize - 1].peek(recs)?;
+            let key = recs.key(recs.node(entry.item));
+            let actual = self.list_of.get(&key).copied().unwrap_or(1);
+            if actual == which {
+                return Some(entry);
+            }
+            self.heaps[which as usize - 1].pop_top();
+            self.queued.insert(entry.item, actual);
+            self.heaps[actual as usize - 1].push(entry);
+        }
+    }
+
+    pub fn pop<R: Records + ?Sized>(&mut self, recs: &mut R) -> Option<Item> {
+        let first = self.top(1, recs);
+        let second = self.top(2, recs);
+        let (which, entry) = match (first, second) {
+            (None, None) => return None,
+            (Some(first), None) => (1u8, first),
+            (Some(first), Some(_)) if self.sizes[1] as f64 > self.p => (1, first),
+            (_, Some(second)) => (2, second),
+        };
+        // Python pops the heap's top, the entry `top` returned.
+        self.heaps[which as usize - 1].pop_top();
+        let item = entry.item;
+        self.queued.remove(&item);
+        let key = recs.key(recs.node(item));
+        self.list_of.remove(&key);
+        self.sizes[which as usize] -= 1;
+        let ghosts = &mut self.ghosts[which as usize - 1];
+        ghosts.insert(key, ());
+        while ghosts.len() > GHOST_FACTOR * self.capacity {
+            ghosts.pop_front();
+        }
+        Some(item)
+    }
+
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.queued.len()
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.queued.is_empty()
+    }
+
+    pub fn memory_bytes(&self) -> usize {
+        self.heaps[0].memory_bytes()
+            + self.heaps[1].memory_bytes()
+            + map_bytes(&self.list_of)
+            + map_bytes(&self.queued)
+            + self.ghosts[0].memory_bytes()
+            + self.ghosts[1].memory_bytes()
+    }
+
+    /// `(p, |T1|, |T2|, |B1|, |B2|)` for the differential tests.
+    pub fn state(&self) -> (f64, i64, i64, usize, usize) {
+        (
+            self.p,
+            self.sizes[1],
+            self.sizes[2],
+            self.ghosts[0].len(),
+            self.ghosts[1].len(),
+        )
+    }
+}

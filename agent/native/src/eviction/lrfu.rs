@@ -1,0 +1,146 @@
+//! Follows `lrfu.py`: LRFU (Lee et al., 2001), an expert of the mixture, run only inside
+//! shadow caches (it must see every access: [`LrfuQueue::on_access`]).
+//!
+//! Each key's `C = sum over its uses of 2 ** (-decay * age)`; the leaf with the smallest `C`
+//! goes first, ranked by `decay * used + log2 C(used)` so the key never goes stale. The
+//! history of keys (bounded, oldest dropped first) outlives their eviction. The key of a
+//! queued item is its node's (Python reads `block_id`, the key of a shadow node).
+
+use super::float::{log2, pow};
+use super::heap::{Entry, LazyHeap, Stamped};
+use super::ordered::OrderedMap;
+use super::{Item, Records};
+
+/// `lambda`: the weight of one use halves every `1 / DECAY` accesses.
+pub const DECAY: f64 = 1e-5;
+/// Keys remembered: this many times the capacity (at least `HISTORY_FLOOR`).
+pub const HISTORY_FACTOR: usize = 8;
+pub const HISTORY_FLOOR: usize = 65_536;
+
+/// `(value, last_used, order, stamp, block)`.
+#[derive(Debug, Clone, Copy)]
+pub struct LrfuEntry {
+    value: f64,
+    last_used: u64,
+    order: u64,
+    stamp: u64,
+    item: Item,
+}
+
+impl Entry for LrfuEntry {
+    #[inline]
+    fn less(&self, other: &Self) -> bool {
+        if self.value != other.value {
+            return self.value < other.value;
+        }
+        (self.last_used, self.order) < (other.last_used, other.order)
+    }
+}
+
+impl Stamped for LrfuEntry {
+    #[inline]
+    fn item(&self) -> Item {
+        self.item
+    }
+    #[inline]
+    fn stamp(&self) -> u64 {
+        self.stamp
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LrfuQueue {
+    heap: LazyHeap<LrfuEntry>,
+    live: usize,
+    order: u64,
+    capacity: usize,
+    /// Key -> (tick of its last use, `C` at that tick).
+    history: OrderedMap<(u64, f64)>,
+    history_floor: usize,
+}
+
+impl LrfuQueue {
+    pub fn new(capacity: usize) -> Self {
+        Self::with_history_floor(capacity, HISTORY_FLOOR)
+    }
+
+    pub fn with_history_floor(capacity: usize, history_floor: usize) -> Self {
+        LrfuQueue {
+            heap: LazyHeap::default(),
+            live: 0,
+            order: 0,
+            capacity,
+            // One past the bound: a new key is added before the oldest goes.
+            history: OrderedMap::with_limit(history_floor.max(HISTORY_FACTOR * capacity) + 1),
+            history_floor,
+        }
+    }
+
+    /// A use of `key` at tick `now` (the shadow node's `last_used`).
+    pub fn on_access(&mut self, key: i64, now: u64) {
+        let crf = match self.history.remove(key) {
+            None => 1.0,
+            Some((then, crf)) => {
+                let age = (now as i64 - then as i64) as f64;
+                1.0 + crf * pow(2.0, -DECAY * age)
+            }
+        };
+        self.history.insert(key, (now, crf));
+        let bound = self.history_floor.max(HISTORY_FACTOR * self.capacity);
+        if self.history.len() > bound {
+            self.history.pop_front();
+        }
+    }
+
+    pub fn push<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+        let key = recs.key(recs.node(item));
+        let last_used = recs.last_used(item);
+        let (used, crf) = self.history.get(key).copied().unwrap_or((last_used, 1.0));
+        // log2 C(now) = log2 C(used) - decay * (now - used): ranking by decay*used + log2 C
+        // is the same at every "now".
+        let value = DECAY * used as f64 + log2(crf);
+        self.heap.push(LrfuEntry {
+            value,
+            last_used,
+            order: self.order,
+            stamp: recs.queue_stamp(item),
+            item,
+        });
+        self.order += 1;
+        self.live += 1;
+    }
+
+    pub fn discard<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+        self.live -= 1;
+        self.heap.compact(self.live, Some(item), recs);
+    }
+
+    pub fn pop<R: Records + ?Sized>(&mut self, recs: &mut R) -> Option<Item> {
+        let entry = self.heap.pop(recs)?;
+        self.live -= 1;
+        Some(entry.item)
+    }
+
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    pub fn memory_bytes(&self) -> usize {
+        self.heap.memory_bytes() + self.history.memory_bytes()
+    }
+
+    /// `C` and tick remembered for `key` (for the differential tests).
+    pub fn history_of(&self, key: i64) -> Option<(u64, f64)> {
+        self.history.get(key).copied()
+    }
+
+    pub fn history_len(&self) -> usize {
+        self.history.len()
+    }
+}

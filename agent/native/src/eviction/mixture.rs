@@ -1,0 +1,393 @@
+//! Follows `mixture.py`: follow whichever of several orders is hitting most.
+//!
+//! One shadow cache per expert, each of the tier's capacity and fed every request, scored by
+//! its own hits; scores decay by the spread of the experts' hits on a request (clocked by
+//! disagreement). The real cache evicts first the evictable leaves the leader does not hold
+//! (LRU among them), then the rest: per priority level a [`MixQueue`] of two heaps.
+//!
+//! In Python each `MixQueue` refers back to its policy, and the policy re-buckets blocks of
+//! every level; here the policy owns its level queues (`levels`), and `queue.rs` asks it
+//! per level. The set of keys whose membership in the leader changed (`dirty`) iterates in
+//! CPython's set order and the queued keys (`where_`) in dict order, as the originals do.
+
+use rustc_hash::FxHashMap;
+
+use super::expert::{Expert, ExpertKind, Tuning};
+use super::float::pow;
+use super::heap::{compact, heap_pop, heap_push, Entry};
+use super::ordered::{map_bytes, OrderedMap};
+use super::pyset::PySet;
+use super::shadow::ShadowCache;
+use super::{Item, Records, MAX_PRIORITY};
+
+/// `DEFAULT_EXPERTS`: in the order that breaks ties in score (the first leads at start).
+pub const DEFAULT_EXPERTS: [ExpertKind; 3] =
+    [ExpertKind::ReuseGap, ExpertKind::Lrfu, ExpertKind::Arc];
+/// `MixturePolicy.horizon`: half-life of a score, in capacities of disagreement.
+pub const HORIZON: f64 = 0.25;
+
+/// `(last_used, sequence, block)`.
+#[derive(Debug, Clone, Copy)]
+struct MixEntry {
+    last_used: u64,
+    seq: u64,
+    item: Item,
+}
+
+impl Entry for MixEntry {
+    #[inline]
+    fn less(&self, other: &Self) -> bool {
+        (self.last_used, self.seq) < (other.last_used, other.seq)
+    }
+}
+
+/// A queued block's key, the sequence number of its current entry, and its heap.
+#[derive(Debug, Clone, Copy)]
+struct MixRec {
+    key: i64,
+    seq: u64,
+    heap: u8,
+}
+
+/// One priority level's blocks in two LRU heaps: those the leader lacks (evicted first) and
+/// those it holds. A block moves between them without a new `queue_stamp`, so an entry is
+/// current while its sequence number is the one `entries` records for the block.
+#[derive(Debug, Clone, Default)]
+pub struct MixQueue {
+    heaps: [Vec<MixEntry>; 2],
+    entries: FxHashMap<Item, MixRec>,
+    order: u64,
+}
+
+impl MixQueue {
+    fn place<R: Records + ?Sized>(&mut self, item: Item, key: i64, holds: bool, recs: &R) {
+        let heap = holds as u8;
+        let seq = self.order;
+        self.order += 1;
+        heap_push(
+            &mut self.heaps[heap as usize],
+            MixEntry {
+                last_used: recs.last_used(item),
+                seq,
+                item,
+            },
+        );
+        self.entries.insert(item, MixRec { key, seq, heap });
+    }
+
+    /// Move `item` to the heap the leader's cache now says.
+    fn rebucket<R: Records + ?Sized>(&mut self, item: Item, key: i64, holds: bool, recs: &R) {
+        if let Some(rec) = self.entries.get(&item) {
+            if rec.heap != holds as u8 {
+                self.place(item, key, holds, recs);
+                self.compact();
+            }
+        }
+    }
+
+    fn compact(&mut self) {
+        let entries = &self.entries;
+        let live = entries.len();
+        for heap in self.heaps.iter_mut() {
+            compact(heap, live, |e| {
+                entries.get(&e.item).is_some_and(|r| r.seq == e.seq)
+            });
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn memory_bytes(&self) -> usize {
+        (self.heaps[0].capacity() + self.heaps[1].capacity()) * std::mem::size_of::<MixEntry>()
+            + map_bytes(&self.entries)
+    }
+}
+
+/// Shadow experts, their scores, and the level queues that follow the leader.
+#[derive(Debug, Clone)]
+pub struct MixturePolicy {
+    capacity: usize,
+    /// `1 + hysteresis` of `GuardedPolicy.takes_lead`; None: the plain `challenger > leader`.
+    lead_factor: Option<f64>,
+    kinds: Vec<ExpertKind>,
+    shadows: Vec<ShadowCache<Expert>>,
+    scores: Vec<f64>,
+    hits: Vec<usize>,
+    leader: usize,
+    switches: u64,
+    next_leader: usize,
+    decay: f64,
+    dirty: PySet,
+    /// Key of every queued block -> its level and the block.
+    where_: OrderedMap<(u8, Item)>,
+    levels: Vec<Option<MixQueue>>,
+}
+
+impl MixturePolicy {
+    /// `MixturePolicy(capacity)`: reuse-gap, LRFU and ARC, no hysteresis.
+    pub fn new(capacity: usize) -> Self {
+        Self::with_experts(capacity, &DEFAULT_EXPERTS, HORIZON, None, Tuning::default())
+            .expect("the default experts")
+    }
+
+    /// A mixture of `experts` with the score half-life `horizon`; `hysteresis` makes a
+    /// challenger lead only above `(1 + hysteresis)` times the leader's score.
+    pub fn with_experts(
+        capacity: usize,
+        experts: &[ExpertKind],
+        horizon: f64,
+        hysteresis: Option<f64>,
+        tuning: Tuning,
+    ) -> Result<Self, String> {
+        if experts.is_empty() {
+            return Err("a mixture needs at least one expert".into());
+        }
+        let size = capacity.max(1);
+        let shadows = experts
+            .iter()
+            .map(|&kind| ShadowCache::new(size, Expert::new(kind, size, tuning)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(MixturePolicy {
+            capacity,
+            lead_factor: hysteresis.map(|h| 1.0 + h),
+            kinds: experts.to_vec(),
+            shadows,
+            scores: vec![0.0; experts.len()],
+            hits: vec![0; experts.len()],
+            leader: 0,
+            switches: 0,
+            next_leader: 0,
+            decay: pow(0.5, 1.0 / (horizon * size as f64)),
+            dirty: PySet::default(),
+            where_: OrderedMap::default(),
+            levels: vec![None; MAX_PRIORITY as usize + 1],
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn names(&self) -> Vec<&'static str> {
+        self.kinds.iter().map(|k| k.name()).collect()
+    }
+
+    pub fn scores(&self) -> &[f64] {
+        &self.scores
+    }
+
+    pub fn leader(&self) -> usize {
+        self.leader
+    }
+
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+
+    pub fn shadows(&self) -> &[ShadowCache<Expert>] {
+        &self.shadows
+    }
+
+    /// Whether the leader's shadow holds `key`.
+    #[inline]
+    pub fn leader_holds(&self, key: i64) -> bool {
+        self.shadows[self.leader].contains(key)
+    }
+
+    /// A request for the blocks `keys` (`SharedPolicy.observe`); `scored` is false when a
+    /// sequence only grew. `recs` is read when a change of leader re-buckets queued blocks.
+    pub fn observe<R: Records + ?Sized>(&mut self, keys: &[i64], scored: bool, recs: &mut R) {
+        if keys.is_empty() {
+            return;
+        }
+        if self.next_leader != self.leader {
+            self.leader = self.next_leader;
+            self.switches += 1;
+            self.dirty.clear();
+            let leader = &self.shadows[self.leader];
+            for (key, &(level, item)) in self.where_.iter() {
+                if let Some(queue) = self.levels[level as usize].as_mut() {
+                    queue.rebucket(item, key, leader.contains(key), recs);
+                }
+            }
+        }
+        let leader = self.leader;
+        let dirty = &mut self.dirty;
+        for (index, shadow) in self.shadows.iter_mut().enumerate() {
+            self.hits[index] = if index == leader {
+                shadow.step_with(keys, |key| dirty.add(key))
+            } else {
+                shadow.step(keys)
+            };
+        }
+        if !scored {
+            return;
+        }
+        let hits = &self.hits;
+        let spread = hits.iter().max().unwrap() - hits.iter().min().unwrap();
+        let decay = pow(self.decay, spread as f64);
+        for (score, &got) in self.scores.iter_mut().zip(hits) {
+            *score = *score * decay + got as f64;
+        }
+        let mut best = 0;
+        for index in 1..self.scores.len() {
+            if self.scores[index] > self.scores[best] {
+                best = index; // the first maximum wins, as Python's max
+            }
+        }
+        if self.takes_lead(self.scores[best], self.scores[self.leader]) {
+            self.next_leader = best;
+        }
+    }
+
+    /// Whether the best-scoring expert takes the lead (from the next request on).
+    #[inline]
+    fn takes_lead(&self, challenger: f64, leader: f64) -> bool {
+        match self.lead_factor {
+            None => challenger > leader,
+            Some(factor) => challenger > factor * leader,
+        }
+    }
+
+    /// `MixQueue.push` at `level`.
+    pub fn push<R: Records + ?Sized>(&mut self, level: usize, item: Item, recs: &mut R) {
+        let key = recs.key(recs.node(item));
+        let holds = self.leader_holds(key);
+        self.levels[level]
+            .get_or_insert_with(MixQueue::default)
+            .place(item, key, holds, recs);
+        self.where_.insert(key, (level as u8, item));
+    }
+
+    /// `MixQueue.discard` at `level`.
+    pub fn discard<R: Records + ?Sized>(&mut self, level: usize, item: Item, _recs: &mut R) {
+        let queue = self.levels[level]
+            .as_mut()
+            .expect("a queued block's level has a queue");
+        if let Some(rec) = queue.entries.remove(&item) {
+            untrack(&mut self.where_, rec.key, item);
+        }
+        queue.compact();
+    }
+
+    /// `MixQueue.pop` at `level`: first the blocks the leader lacks, least recent first.
+    pub fn pop<R: Records + ?Sized>(&mut self, level: usize, recs: &mut R) -> Option<Item> {
+        self.flush(recs);
+        let queue = self.levels[level].as_mut()?;
+        for heap in queue.heaps.iter_mut() {
+            while let Some(entry) = heap_pop(heap) {
+                let Some(rec) = queue.entries.get(&entry.item) else {
+                    continue;
+                };
+                if rec.seq == entry.seq {
+                    let key = rec.key;
+                    queue.entries.remove(&entry.item);
+                    untrack(&mut self.where_, key, entry.item);
+                    return Some(entry.item);
+                }
+            }
+        }
+        None
+    }
+
+    /// Blocks queued at `level`.
+    pub fn level_len(&self, level: usize) -> usize {
+        self.levels[level].as_ref().map_or(0, MixQueue::len)
+    }
+
+    /// Re-bucket the queued blocks whose key entered or left the leader's cache.
+    fn flush<R: Records + ?Sized>(&mut self, recs: &R) {
+        if self.dirty.is_empty() {
+            return;
+        }
+        let leader = &self.shadows[self.leader];
+        for key in self.dirty.iter() {
+            if let Some(&(level, item)) = self.where_.get(key) {
+                if let Some(queue) = self.levels[level as usize].as_mut() {
+                    queue.rebucket(item, key, leader.contains(key), recs);
+                }
+            }
+        }
+        self.dirty.clear();
+    }
+
+    /// Heap bytes owned: the shadows, their orders, and the level queues.
+    pub fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.shadows
+            .iter()
+            .map(|s| size_of::<ShadowCache<Expert>>() + s.memory_bytes())
+            .sum::<usize>()
+            + self.scores.capacity() * 8
+            + self.hits.capacity() * size_of::<usize>()
+            + self.kinds.capacity() * size_of::<ExpertKind>()
+            + self.dirty.memory_bytes()
+            + self.where_.memory_bytes()
+            + self.levels.capacity() * size_of::<Option<MixQueue>>()
+            + self
+                .levels
+                .iter()
+                .flatten()
+                .map(MixQueue::memory_bytes)
+                .sum::<usize>()
+    }
+}
+
+/// `MixturePolicy.untrack`: `item` left its queue (a newer block under the same key may
+/// have replaced it in `where_`).
+#[inline]
+fn untrack(where_: &mut OrderedMap<(u8, Item)>, key: i64, item: Item) {
+    if let Some(&(_, found)) = where_.get(key) {
+        if found == item {
+            where_.remove(key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eviction::guarded::guarded_policy;
+    use crate::eviction::shadow::ShadowNodes;
+
+    /// `test_only_requests_the_experts_disagree_on_age_the_scores`, compiled.
+    #[test]
+    fn only_disagreement_ages_the_scores() {
+        let experts = [ExpertKind::Lru, ExpertKind::Lrfu];
+        let mut m =
+            MixturePolicy::with_experts(2, &experts, HORIZON, None, Tuning::default()).unwrap();
+        let mut recs = ShadowNodes::default();
+        for keys in [[1], [1], [1], [10], [11]] {
+            m.observe(&keys, true, &mut recs);
+        }
+        assert_eq!(m.scores(), &[2.0, 2.0]);
+        m.observe(&[1], true, &mut recs);
+        let decay = pow(0.5, 1.0 / (HORIZON * 2.0));
+        assert_eq!(m.scores(), &[2.0 * decay, 2.0 * decay + 1.0]);
+        for key in 100..150 {
+            m.observe(&[key], true, &mut recs);
+        }
+        assert_eq!(m.scores(), &[2.0 * decay, 2.0 * decay + 1.0]);
+        assert_eq!(m.names()[m.leader()], "lrfu");
+        assert_eq!(m.switches(), 1);
+    }
+
+    #[test]
+    fn the_guarded_mixture_starts_with_lru_and_holds_it_on_a_tie() {
+        let mut m = guarded_policy(8);
+        let mut recs = ShadowNodes::default();
+        assert_eq!(m.names(), vec!["lru", "reuse-gap", "lrfu", "arc"]);
+        m.observe(&[], true, &mut recs);
+        m.observe(&[1, 2], true, &mut recs);
+        m.observe(&[3], true, &mut recs);
+        assert_eq!((m.leader(), m.switches()), (0, 0));
+        assert!(m.leader_holds(1) && m.leader_holds(3));
+        assert!(MixturePolicy::with_experts(8, &[], HORIZON, None, Tuning::default()).is_err());
+    }
+}
