@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool_agent.cache import KVCacheManager, KvCacheRetentionConfig
-from kvpool_agent.cache.manager import _namespace
+from kvpool_agent.cache.sequences import namespace_of as _namespace
 from kvpool_agent.server import snapshot as snap
 from kvpool_agent.server.payload import encode_tensor
 from kvpool_agent.server.snapshot import (

@@ -105,7 +105,7 @@ class CacheMachine(RuleBasedStateMachine):
         mgr = self.mgr
         holders: Counter[int] = Counter()
         seen: dict[tuple[int, int, int], Any] = {}
-        for seq in mgr._sequences.values():
+        for seq in mgr._core.sequences.values():
             for g, held in enumerate(seq.held):
                 for block in held:
                     if block is None:
@@ -120,16 +120,16 @@ class CacheMachine(RuleBasedStateMachine):
                 assert block.node is node
                 key = (block.tier, g, block.block_id)
                 assert seen.setdefault(key, block) is block, f"block {key} handed out twice"
-        pinned = [[0] * mgr._num_groups, [0] * mgr._num_groups]
+        pinned = [[0] * mgr._core.num_groups, [0] * mgr._core.num_groups]
         for block in seen.values():
             assert block.ref_count == holders[id(block)], "reference count is off"
             if block.ref_count:
                 pinned[block.tier][block.group] += 1
                 assert block.queue_level < 0, "a block in use is queued for eviction"
-        assert pinned == mgr._pinned
+        assert pinned == mgr._core.pool.pinned
         for tier in (PRIMARY, SECONDARY):
-            alloc = mgr._alloc[tier]
-            for g in range(mgr._num_groups):
+            alloc = mgr._core.pool.tiers[tier]
+            for g in range(mgr._core.num_groups):
                 used = {k[2] for k in seen if k[0] == tier and k[1] == g}
                 free = set(alloc._free[g])
                 assert not used & free, "a block in use is also free"
@@ -142,7 +142,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         mgr = self.mgr
         for seq_id, tokens in self.written.items():
-            seq = mgr._sequences[seq_id]
+            seq = mgr._core.sequences[seq_id]
             for g, held in enumerate(seq.held):
                 for j, block in enumerate(held):
                     if block is None:

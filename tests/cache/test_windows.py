@@ -57,11 +57,11 @@ def test_window_group_evicts_interior_blocks_and_later_blocks_stay_reusable() ->
     first = nodes[100]
     window_block = first.blocks[1]
     assert window_block is not None
-    mgr._evict(0, 1, 0)  # no-op: nothing requested
+    mgr._core.tiers.evict(0, 1, 0, mgr.clock())  # no-op: nothing requested
     victim_ids = []
-    queue = mgr._queues[0][1]
+    queue = mgr._core.tree.queues[0][1]
     while len(victim_ids) < 1:
-        victim_ids = mgr._evict(0, 1, 1)
+        victim_ids = mgr._core.tiers.evict(0, 1, 1, mgr.clock())
     assert first.blocks[1] is None  # the interior window block went (LRU: oldest first)
     assert first.blocks[0] is not None  # the full-attention copy stays
     assert len(queue) >= 1
@@ -78,7 +78,7 @@ def test_full_attention_group_evicts_leaves_only() -> None:
     mgr = make_manager(6)
     mgr.release(mgr.open_sequence(list(range(17))).seq_id)  # a chain of 4 nodes
     chain = sorted(mgr.iter_nodes(), key=lambda n: n.depth)
-    queue = mgr._queues[0][0]
+    queue = mgr._core.tree.queues[0][0]
     assert len(queue) == 1  # only the leaf is evictable
     victim = queue.pop(0.0)
     assert victim is not None and victim.node is chain[-1]
@@ -92,7 +92,7 @@ def test_free_capacity_moves_to_the_group_that_needs_it() -> None:
     cfg = KvCacheConfig(tokens_per_block=TPB, max_attention_window=[1 << 20, 8])
     group_bytes = 2 * 1 * 1 * 2 * TPB * 4
     mgr = KVCacheManager(MODEL, cfg, primary_bytes=256 * 256, max_seq_len=64)
-    start = list(mgr._alloc[0].capacity)
+    start = list(mgr._core.pool.tiers[0].capacity)
     assert start[1] < start[0] // 3  # the window group starts small
     assert group_bytes > 0
     # One long prefill needs as many window blocks as full blocks.
@@ -100,6 +100,6 @@ def test_free_capacity_moves_to_the_group_that_needs_it() -> None:
     h = mgr.open_sequence(list(range(n_blocks * TPB)))
     assert len(h.block_tables[1]) == n_blocks
     assert mgr.stats.chunk_moves > 0
-    after = mgr._alloc[0].capacity
+    after = mgr._core.pool.tiers[0].capacity
     assert after[1] > start[1] and after[0] < start[0]
     assert mgr.stats.evictions == [0, 0]  # free capacity moved; nothing reusable was dropped

@@ -213,7 +213,7 @@ def test_the_leader_changes_to_the_expert_that_hits_and_the_cache_follows(
     capacity = 8
     mgr = manager(policy, capacity)
     hits = sum(open_close(mgr, r.hash_ids) for r in trace.requests)
-    shared = mgr._queues[0][0].shared
+    shared = mgr._core.tree.queues[0][0].shared
     assert isinstance(shared, MixturePolicy)
     assert shared.names[shared.leader] == "lrfu"
     assert shared.switches >= 1
@@ -243,7 +243,7 @@ def test_the_real_cache_follows_the_leader_across_switches(
     policy = mixture_of("reuse-gap", "lrfu", "arc")
     rng = random.Random(7)
     mgr = manager(policy, 24)
-    shared = mgr._queues[0][0].shared
+    shared = mgr._core.tree.queues[0][0].shared
     assert isinstance(shared, MixturePolicy)
     was_subset, subset_steps = True, 0  # both start empty
     for _ in range(600):
@@ -263,7 +263,7 @@ def test_the_real_cache_follows_the_leader_across_switches(
 
 def test_a_rejected_request_leaves_the_shadows_as_they_were() -> None:
     mgr = manager("mixture", 4)
-    shared = mgr._queues[0][0].shared
+    shared = mgr._core.tree.queues[0][0].shared
     assert isinstance(shared, MixturePolicy)
     open_close(mgr, [1, 2])
     held = mgr.open_sequence(list(range(100, 116)), recompute_last_token=False)  # pins all 4
@@ -276,7 +276,7 @@ def test_a_rejected_request_leaves_the_shadows_as_they_were() -> None:
 
 def test_blocks_written_after_the_prompt_reach_the_shadows_without_scoring() -> None:
     mgr = manager("mixture", 16)
-    shared = mgr._queues[0][0].shared
+    shared = mgr._core.tree.queues[0][0].shared
     assert isinstance(shared, MixturePolicy)
     handle = mgr.open_sequence(list(range(8)), recompute_last_token=False)
     scores = list(shared.scores)
@@ -292,10 +292,10 @@ def test_blocks_written_after_the_prompt_reach_the_shadows_without_scoring() -> 
 def test_the_host_tier_models_device_and_host_together() -> None:
     config = KvCacheConfig(tokens_per_block=4, eviction_policy="mixture")
     plain = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=8)
-    assert plain._queues[1][0].shared is None  # no host tier: nothing to model
+    assert plain._core.tree.queues[1][0].shared is None  # no host tier: nothing to model
     host = config.model_copy(update={"host_cache_size": 1 << 20})
     mgr = KVCacheManager.with_capacity(REPLAY_MODEL, host, num_blocks=8)
-    device, spill = mgr._queues[0][0].shared, mgr._queues[1][0].shared
+    device, spill = mgr._core.tree.queues[0][0].shared, mgr._core.tree.queues[1][0].shared
     assert isinstance(device, MixturePolicy) and isinstance(spill, MixturePolicy)
     assert device.capacity == mgr.plan.primary.group_blocks[0]
     assert spill.capacity == device.capacity + mgr.plan.secondary.group_blocks[0]

@@ -1,6 +1,8 @@
 """The paged KV cache engine: pools, radix tree reuse, prioritized eviction, host offload.
 
-``KVCacheManager`` is the entry point; ``plan_pools`` sizes pools without allocating.
+``KVCacheManager`` is the entry point (it validates, sizes and owns the storage; the
+bookkeeping is ``core.CacheCore``, made of ``block_pool``, ``tree``, ``tiers``, ``groups``
+and ``sequences``); ``plan_pools`` sizes pools without allocating.
 
 The names below are loaded on first use, so that importing a light submodule (the eviction
 policy registry, which ``kvpool_agent.config`` reads, and the operator imports the config)

@@ -18,8 +18,9 @@ each group's share of a tier's bytes is proportional to (bytes per token of the 
 (its effective window), where a full-attention window counts as ``max_seq_len`` (or the
 largest configured window). A group that only keeps the last 256 tokens of each sequence
 needs far fewer blocks than a full-attention group of the same width. Each tier is carved
-into chunks, and ``KVCacheManager`` moves wholly free chunks between groups as demand shifts
-(``TierAllocator.move_free_chunk``), so the split above is a starting point, not a limit.
+into chunks, and the engine moves wholly free chunks between groups as demand shifts
+(``block_pool.TierPool.move_free_chunk``), so the split above is a starting point, not a
+limit.
 
 ``place`` is the one rule for where the primary tier lives and its byte budget: the agent
 (``KVCacheManager.from_agent_config``) and ``kvpool size`` both call it.

@@ -53,5 +53,9 @@ class GhostList:
     def __contains__(self, key: int) -> bool:
         return key in self._keys
 
+    def keys(self) -> list[int]:
+        """The remembered keys, oldest first."""
+        return list(self._keys)
+
     def __len__(self) -> int:
         return len(self._keys)

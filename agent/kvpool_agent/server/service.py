@@ -33,9 +33,9 @@ from kvpool_agent.cache import (
     SequenceHandle,
     UnknownSequenceError,
 )
-from kvpool_agent.cache.manager import _namespace
 from kvpool_agent.cache.miniature import PolicyCurveSnapshot
 from kvpool_agent.cache.mrc import BOUNDS, CurveSnapshot
+from kvpool_agent.cache.sequences import namespace_of as _namespace
 from kvpool_agent.config import (
     DEFAULT_PRIORITY,
     AgentConfig,
