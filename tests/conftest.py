@@ -12,6 +12,33 @@ from pathlib import Path
 import httpx
 import pytest
 
+ENGINE_CORES = ("native", "python")
+"""The two cores of the cache engine (``kvpool_agent.cache.native``): the cache and replay
+folders run every test on each (``engine_core`` in their conftest), but for the tests marked
+``python_core``, which look inside the Python core's parts."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``python_core`` test runs on the Python core only: its native variant is deselected
+    (not skipped), since it reads parts the compiled core does not have."""
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        core = callspec.params.get("engine_core") if callspec is not None else None
+        (drop if core == "native" and item.get_closest_marker("python_core") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def use_engine_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """Run the requesting test on ``request.param``'s core (``$KVPOOL_CORE``); a test that is
+    not parametrized (a ``unittest.TestCase``) keeps the environment's."""
+    core = getattr(request, "param", None)
+    if core is not None:
+        monkeypatch.setenv("KVPOOL_CORE", str(core))
+    return core
+
 
 @pytest.fixture
 def single_torch_thread() -> Iterator[None]:

@@ -109,6 +109,6 @@ def state_snapshot(mgr: KVCacheManager) -> tuple[Any, ...]:
         repr(mgr.usage()),
         repr(mgr.stats),
         mgr.num_open_sequences,
-        [q.__len__() for tier in mgr._core.tree.queues for q in tier],
+        [row["blocks_evictable"] for row in mgr.usage()],  # queued for eviction, per tier
         torch.clone(mgr.storage[0].arena),
     )

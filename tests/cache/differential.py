@@ -207,7 +207,7 @@ class _Generator:
         if not toks:
             toks = self._tail(1)
         if rng.random() < 0.05:
-            big = rng.choice([1 << 32, (1 << 32) + 1, 10**20])
+            big = rng.choice([1 << 32, (1 << 32) + 1, (1 << 63) - 1])
             toks[rng.randrange(len(toks))] = big  # no longer packs into 32 bits
         self.history.append((toks, ns))
         if len(self.history) > 24:
@@ -317,7 +317,9 @@ class _Generator:
             ]
         )
         op: dict[str, Any] = {"op": "invalid", "kind": kind, "pick": self._pick()}
-        op["tokens"] = rng.choice(["abc", [1, -1], [1, 2.5], [True, 1], [3, None], {"a": 1}, [-5]])
+        op["tokens"] = rng.choice(
+            ["abc", [1, -1], [1, 2.5], [True, 1], [3, None], {"a": 1}, [-5], [1, 1 << 63]]
+        )
         op["retention"] = rng.choice(
             [
                 {"token_range_retention_configs": [{"priority": 101}]},

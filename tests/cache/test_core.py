@@ -15,6 +15,9 @@ from kvpool_agent.cache.block import PRIMARY, SECONDARY
 from kvpool_agent.cache.core import CacheCore, CopyOp, CoreLayout, CoreSettings, TierLayout
 from kvpool_agent.cache.retention import DEFAULT_RETENTION
 
+# The Python core's own seam (the compiled core is held to it by test_differential.py).
+pytestmark = pytest.mark.python_core
+
 
 def test_the_core_imports_without_torch() -> None:
     code = (

@@ -4,6 +4,7 @@ snapshots still restore the same tree."""
 
 from __future__ import annotations
 
+import pytest
 from cache_helpers import TPB, expected_kv, make_manager, read_kv, write_kv
 
 from kvpool_agent.cache import KVCacheManager, SequenceHandle
@@ -149,6 +150,7 @@ def _collide(mgr: KVCacheManager, stored: tuple[int, ...], other: tuple[int, ...
     return node
 
 
+@pytest.mark.python_core
 def test_a_key_collision_is_a_miss_never_another_blocks_kv() -> None:
     mgr = make_manager(enable_partial_reuse=False)
     _store(mgr, [1, 2, 3, 4, 5, 6, 7, 8, 0])
@@ -160,6 +162,7 @@ def test_a_key_collision_is_a_miss_never_another_blocks_kv() -> None:
     mgr.release(h.seq_id, discard=True)
 
 
+@pytest.mark.python_core
 def test_a_collided_block_still_serves_the_tokens_it_shares() -> None:
     mgr = make_manager(copy_on_partial_reuse=True)
     _store(mgr, [1, 2, 3, 4, 5, 6, 7, 8, 0])
@@ -170,6 +173,7 @@ def test_a_collided_block_still_serves_the_tokens_it_shares() -> None:
     assert read_kv(mgr, h, 7) == expected_kv(h, tokens[:7], 7)
 
 
+@pytest.mark.python_core
 def test_a_block_whose_key_collides_is_not_stored_over_the_other() -> None:
     mgr = make_manager(enable_partial_reuse=False)
     _store(mgr, [1, 2, 3, 4, 5, 6, 7, 8, 0])
@@ -186,6 +190,7 @@ def test_a_block_whose_key_collides_is_not_stored_over_the_other() -> None:
     assert mgr.open_sequence(tokens).num_reused_tokens == 4
 
 
+@pytest.mark.python_core
 def test_a_collision_inside_the_path_truncates_the_match_there() -> None:
     mgr = make_manager(enable_partial_reuse=False)
     _store(mgr, [*range(1, 13), 0])

@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from cache_helpers import fill_value, write_kv
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
@@ -61,7 +62,9 @@ class CacheMachine(RuleBasedStateMachine):
         )
         _, groups, _ = build_pools(MODEL, cfg)
         cfg = cfg.model_copy(update={"host_cache_size": host * sum(g.block_bytes for g in groups)})
-        self.mgr = KVCacheManager.with_capacity(MODEL, cfg, blocks, max_seq_len=1 << 20)
+        self.mgr = KVCacheManager.with_capacity(
+            MODEL, cfg, blocks, max_seq_len=1 << 20, core="python"
+        )
 
     @rule(target=seqs, tokens=tokens_st, priority=st.sampled_from([None, 10, 35, 80]))
     def open(self, tokens: list[int], priority: int | None) -> Any:
@@ -178,3 +181,6 @@ CacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestCacheMachine = CacheMachine.TestCase
+# Its invariants read the Python core's pool and sequence records; the differential harness
+# (test_differential.py) holds the compiled core to the Python one.
+TestCacheMachine.pytestmark = [pytest.mark.python_core]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from cache_helpers import TPB, make_manager
 
 from kvpool_agent.config import ModelGeometry
@@ -47,6 +48,7 @@ def test_reuse_needs_only_the_window_blocks() -> None:
     assert h.first_token[1] == 16 and len(h.block_tables[1]) == 3
 
 
+@pytest.mark.python_core
 def test_window_group_evicts_interior_blocks_and_later_blocks_stay_reusable() -> None:
     # Window group share is small: it must evict while the full group still has room.
     mgr = _mgr(12)
@@ -74,6 +76,7 @@ def test_window_group_evicts_interior_blocks_and_later_blocks_stay_reusable() ->
     assert short.num_reused_tokens == 0
 
 
+@pytest.mark.python_core
 def test_full_attention_group_evicts_leaves_only() -> None:
     mgr = make_manager(6)
     mgr.release(mgr.open_sequence(list(range(17))).seq_id)  # a chain of 4 nodes
@@ -85,6 +88,7 @@ def test_full_attention_group_evicts_leaves_only() -> None:
     queue.push(victim, 0.0)
 
 
+@pytest.mark.python_core
 def test_free_capacity_moves_to_the_group_that_needs_it() -> None:
     from kvpool_agent.cache import KVCacheManager
     from kvpool_agent.config import KvCacheConfig

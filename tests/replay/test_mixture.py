@@ -166,6 +166,7 @@ def test_only_requests_the_experts_disagree_on_age_the_scores() -> None:
 
 @pytest.mark.parametrize("expert", sorted(EXPERTS))
 # The fixture only registers a policy name: the same for every generated trace.
+@pytest.mark.python_core
 @settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -203,6 +204,7 @@ def open_close(mgr: KVCacheManager, keys: Sequence[int]) -> int:
     return handle.num_reused_tokens // 4
 
 
+@pytest.mark.python_core
 def test_the_leader_changes_to_the_expert_that_hits_and_the_cache_follows(
     mixture_of: Register,
 ) -> None:
@@ -221,6 +223,7 @@ def test_the_leader_changes_to_the_expert_that_hits_and_the_cache_follows(
     assert hits > 0.8 * shadow_hits(trace, capacity, "lrfu")
 
 
+@pytest.mark.python_core
 def test_the_real_cache_follows_the_leader_across_switches(
     mixture_of: Register, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -261,6 +264,7 @@ def test_the_real_cache_follows_the_leader_across_switches(
     assert shared.switches > 0 and subset_steps > 200 and followed[0] > 500
 
 
+@pytest.mark.python_core
 def test_a_rejected_request_leaves_the_shadows_as_they_were() -> None:
     mgr = manager("mixture", 4)
     shared = mgr._core.tree.queues[0][0].shared
@@ -274,6 +278,7 @@ def test_a_rejected_request_leaves_the_shadows_as_they_were() -> None:
     mgr.release(held.seq_id)
 
 
+@pytest.mark.python_core
 def test_blocks_written_after_the_prompt_reach_the_shadows_without_scoring() -> None:
     mgr = manager("mixture", 16)
     shared = mgr._core.tree.queues[0][0].shared
@@ -289,6 +294,7 @@ def test_blocks_written_after_the_prompt_reach_the_shadows_without_scoring() -> 
         assert keys <= set(shadow.cache)
 
 
+@pytest.mark.python_core
 def test_the_host_tier_models_device_and_host_together() -> None:
     config = KvCacheConfig(tokens_per_block=4, eviction_policy="mixture")
     plain = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=8)
@@ -301,6 +307,7 @@ def test_the_host_tier_models_device_and_host_together() -> None:
     assert spill.capacity == device.capacity + mgr.plan.secondary.group_blocks[0]
 
 
+@pytest.mark.python_core
 @pytest.mark.skipif(
     not (TRACES / "synthetic_trace.jsonl").exists(),
     reason="needs the shared traces beside the repository (CI has them)",

@@ -54,6 +54,10 @@ began evicting (``OutOfBlocksError`` with those evictions, and their copies, don
 - ``commit(seq_id, now) -> None``; ``release(seq_id, discard, now) -> None`` (``discard``:
   drop the blocks not committed yet).
 - ``clear(now) -> int``: nodes dropped.
+- ``restore_counters(saved: dict[str, int | list[int]]) -> None``: put the named
+  ``CacheStats`` counters back to earlier values (work that is not client traffic).
+- ``count_missed(blocks) -> None``: blocks a client asked for that no open matched (a
+  lease past what the pool holds), counted as queried and missed.
 - ``configure(settings, now) -> None``: new live settings; a new ``eviction_policy``
   rebuilds the queues (and the policy curve, if on), a new ``event_buffer_max_size``
   resizes the event queue.
@@ -74,7 +78,7 @@ for a ``seq_id`` that is not open.
 Read side: ``sequence(seq_id) -> SequenceView``, ``is_open(seq_id) -> bool``,
 ``lookup(tokens, namespace) -> list[int]`` (the tier of each leading full block an
 ``open`` would reuse; no side effect), ``num_nodes``, ``num_open_sequences``,
-``group_capacity -> list[int]``, ``usage(tier, group) -> (total, free, pinned)``,
+``group_capacity -> list[int]``, ``usage(tier, group) -> (total, free, pinned, evictable)``,
 ``iter_nodes()`` (``block.TreeNode`` records, parents first: key, parent, depth, tokens,
 priority, expires_at, stored_at, last_used, hits, and per group a ``Block`` or None with
 tier, block_id, ref_count), and the objects ``stats`` (``CacheStats``), ``events``
@@ -85,8 +89,10 @@ stored, reading only ``key``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvpool_agent.cache.block import PRIMARY, SECONDARY, Block, TreeNode
 from kvpool_agent.cache.block_pool import BlockPool, TierLayout
@@ -161,6 +167,8 @@ class CacheCore:
         self.tpb = tpb = layout.tokens_per_block
         self.groups = make_groups(layout.windows, layout.full_attention, tpb)
         self.num_groups = len(self.groups)
+        self._windowed = not all(layout.full_attention)
+        """Whether some group releases blocks that leave a sequence's window."""
         self.stats = CacheStats()
         self.events = EventQueue(settings.event_buffer_max_size)
         self.ghost = GhostList(sum(layout.tiers[PRIMARY].group_blocks))
@@ -361,6 +369,17 @@ class CacheCore:
                     unpin(block, now)
             seq.held[g] = []
 
+    def count_missed(self, blocks: int) -> None:
+        """Blocks a client asked for that no open matched (a lease past what the pool
+        holds): counted as queried and missed."""
+        self.stats.queries_tokens += blocks * self.tpb
+        self.stats.queries_blocks += blocks
+
+    def restore_counters(self, saved: dict[str, Any]) -> None:
+        """Put the named counters back to ``saved`` values (``KVCacheManager.uncounted``)."""
+        for name, value in saved.items():
+            setattr(self.stats, name, copy.copy(value))
+
     def clear(self, now: float) -> int:
         """Drop every reusable block not used by an open sequence; returns how many nodes went."""
         before = self.tree.num_nodes
@@ -438,9 +457,11 @@ class CacheCore:
         """Most primary blocks each pool group can hold (every chunk of the tier)."""
         return list(self.pool.max_blocks)
 
-    def usage(self, tier: int, group: int) -> tuple[int, int, int]:
-        """Blocks total, free and pinned of ``group`` in ``tier``."""
-        return self.pool.usage(tier, group)
+    def usage(self, tier: int, group: int) -> tuple[int, int, int, int]:
+        """Blocks total, free, pinned and evictable (queued for eviction now) of ``group``
+        in ``tier``."""
+        total, free, pinned = self.pool.usage(tier, group)
+        return total, free, pinned, len(self.tree.queues[tier][group])
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node of the tree, parents before children."""
@@ -477,13 +498,29 @@ class CacheCore:
         tree = self.tree
         root = tree.root(seq.namespace)
         parent = seq.nodes[-1] if seq.nodes else root
+        if (
+            seq.nodes
+            and parent.parent is not None
+            and parent.parent.children.get(parent.key) is not parent
+        ):
+            # The sequence's last stored block left the tree (with window groups only, its
+            # window blocks were released and then evicted): nothing to hang the rest under,
+            # so it stays private to the sequence, as after a key collision.
+            stop = first
+        else:
+            stop = full
+        slid = seq.slide_from > 0 and self._windowed
         prompt = seq.packed
         if prompt is not None and full * tpb * 4 <= len(prompt):
             packs = slice_blocks(prompt, first, full, tpb)
         else:
             packs = pack_blocks(seq.tokens[first * tpb : full * tpb], tpb)
         retention = seq.retention
-        for j in range(first, full):
+        for j in range(first, stop):
+            if slid and any(held[j] is None for held in seq.held):
+                # A window released this block before it was stored (block reuse was off
+                # then): its KV is gone there, so it and the rest stay private.
+                break
             tokens = tuple(seq.tokens[j * tpb : (j + 1) * tpb])
             key = hash((parent.key, tokens))  # ``block_key``, inlined (once per block)
             packed = packs[j - first]

@@ -22,8 +22,10 @@ rejected call leaves the cache exactly as it was.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,7 @@ from kvpool_agent.cache.errors import InvalidTokensError, RequestTooLargeError
 from kvpool_agent.cache.events import EventQueue
 from kvpool_agent.cache.miniature import PolicyMiniature
 from kvpool_agent.cache.mrc import MissRatioCurve
+from kvpool_agent.cache.native import NativeCore, NativeEvents, NativeGhost, new_core
 from kvpool_agent.cache.retention import KvCacheRetentionConfig
 from kvpool_agent.cache.sequences import (
     check_and_pack,
@@ -58,7 +61,7 @@ from kvpool_agent.cache.sizing import (
     plan_pools,
     primary_budget,
 )
-from kvpool_agent.cache.stats import CacheStats, GhostList
+from kvpool_agent.cache.stats import QUERY_COUNTERS, CacheStats, GhostList
 from kvpool_agent.cache.storage import TierStorage, copy_group_blocks
 from kvpool_agent.config import (
     LIVE_FIELDS,
@@ -102,6 +105,7 @@ class KVCacheManager:
         reserved_bytes: int = 0,
         max_seq_len: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        core: str | None = None,
     ) -> None:
         self.model = model
         self.config = config.model_copy()
@@ -124,8 +128,10 @@ class KVCacheManager:
             TierStorage(self.plan, self.plan.primary, self.device, pin=False),
             TierStorage(self.plan, self.plan.secondary, torch.device("cpu"), pin=on_cuda),
         )
-        self._core = CacheCore(_layout(self.plan), _settings(config))
-        """The bookkeeping (``core.py``): tree, tiers, block pool, sequences, counters."""
+        self._core: CacheCore | NativeCore = new_core(_layout(self.plan), _settings(config), core)
+        """The bookkeeping: tree, tiers, block pool, sequences, counters. ``core.py``'s
+        ``CacheCore``, or its compiled twin (``native.py``), as ``core`` says (None:
+        ``$KVPOOL_CORE``, else the compiled one where it is installed)."""
         self._max_blocks = self._core.group_capacity
 
     # ----------------------------------------------------------------- construction
@@ -261,6 +267,27 @@ class KVCacheManager:
         self.config = new.model_copy()
         return changed
 
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Requests made inside are not client traffic (a store through the transfer port, a
+        snapshot import): the query and hit counters are put back afterwards, so hit rates
+        stay the clients'; evictions, offloads and the rest still count."""
+        saved = {name: copy.copy(getattr(self.stats, name)) for name in QUERY_COUNTERS}
+        try:
+            yield
+        finally:
+            self._core.restore_counters(saved)
+
+    def count_missed(self, blocks: int) -> None:
+        """Count ``blocks`` a client asked for that no open matched (a lease past what the
+        pool holds) as queried and missed."""
+        self._core.count_missed(blocks)
+
+    @property
+    def core_name(self) -> str:
+        """Which core keeps the books: ``native`` (compiled) or ``python``."""
+        return "native" if isinstance(self._core, NativeCore) else "python"
+
     def policy_curve(self, on: bool) -> None:
         """Run the policy curve's miniatures (a new one, of the current policy) or none."""
         self._core.policy_curve(on)
@@ -279,11 +306,11 @@ class KVCacheManager:
         return self._core.stats
 
     @property
-    def events(self) -> EventQueue:
+    def events(self) -> EventQueue | NativeEvents:
         return self._core.events
 
     @property
-    def ghost(self) -> GhostList:
+    def ghost(self) -> GhostList | NativeGhost:
         return self._core.ghost
 
     @property
@@ -319,11 +346,12 @@ class KVCacheManager:
         return list(self._max_blocks)
 
     def usage(self) -> list[dict[str, int | str]]:
-        """Blocks used, free and total of every pool in every tier."""
+        """Blocks total, free, used, pinned (by open sequences) and evictable (queued for
+        eviction now) of every pool in every tier."""
         out: list[dict[str, int | str]] = []
         for pool in self.plan.pools:
             for tier in (PRIMARY, SECONDARY):
-                total, free, pinned = self._core.usage(tier, pool.group)
+                total, free, pinned, evictable = self._core.usage(tier, pool.group)
                 out.append(
                     {
                         "pool": pool.index,
@@ -332,6 +360,7 @@ class KVCacheManager:
                         "blocks_free": free,
                         "blocks_used": total - free,
                         "blocks_pinned": pinned,
+                        "blocks_evictable": evictable,
                     }
                 )
         return out

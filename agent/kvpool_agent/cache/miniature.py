@@ -25,7 +25,7 @@ the curve then misses some reuses, it never stalls the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool_agent.cache.block import TreeNode
@@ -138,6 +138,19 @@ class PolicyMiniature:
         for node in nodes:
             if not node.key & mask:
                 pending.append(node.key)
+        if len(pending) > self.max_pending:
+            self._overflow()
+
+    @property
+    def mask(self) -> int:
+        """A key is sampled when ``key & mask == 0``."""
+        return self._mask
+
+    def queue_sampled(self, keys: Sequence[int]) -> None:
+        """The sampled keys of one request's accessed nodes, in order: what ``access_nodes``
+        queues, for an engine that sampled them itself (``native.py``)."""
+        pending = self.pending
+        pending.extend(keys)
         if len(pending) > self.max_pending:
             self._overflow()
 

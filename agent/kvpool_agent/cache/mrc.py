@@ -157,6 +157,18 @@ class MissRatioCurve:
             for node in nodes:
                 self._sampled(node.key)
 
+    @property
+    def mask(self) -> int:
+        """A key is sampled when ``key & mask == 0``."""
+        return self._mask
+
+    def access_sampled(self, count: int, keys: Sequence[int]) -> None:
+        """``count`` accesses, of which ``keys`` (in order) are the sampled ones: what
+        ``access_nodes`` records, for an engine that sampled the keys itself (``native.py``)."""
+        self._seen += count
+        for key in keys:
+            self._sampled(key)
+
     def access(self, key: int) -> None:
         self._seen += 1
         if not key & self._mask:

@@ -89,6 +89,11 @@ def check_tokens(tokens: Sequence[int]) -> list[int]:
     return check_and_pack(tokens)[0]
 
 
+TOKEN_LIMIT = 1 << 63
+"""Token ids are below 2**63, as the HTTP API and snapshots take them (and as the compiled
+core keeps them, in 64 bits)."""
+
+
 def check_and_pack(tokens: Sequence[int]) -> tuple[list[int], bytes | None]:
     """The validated tokens, and them packed (``pack_all``) when every one fits."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (list, tuple, range)):
@@ -97,13 +102,15 @@ def check_and_pack(tokens: Sequence[int]) -> tuple[list[int], bytes | None]:
     if toks and set(map(type, toks)) == {int}:
         # the common case, checked at C speed: packing fails for a negative token
         packed = pack_all(toks)
-        if packed is not None or min(toks) >= 0:
+        if packed is not None or (min(toks) >= 0 and max(toks) < TOKEN_LIMIT):
             return toks, packed
     for t in toks:
         if type(t) is not int:
             raise InvalidTokensError(f"tokens must be ints, got {type(t).__name__} ({t!r})")
         if t < 0:
             raise InvalidTokensError(f"tokens must be non-negative, got {t}")
+        if t >= TOKEN_LIMIT:
+            raise InvalidTokensError(f"tokens must be below 2**63, got {t}")
     return toks, pack_all(toks)
 
 

@@ -31,6 +31,21 @@ class CacheStats:
         return self.queries_tokens - sum(self.hits_tokens)
 
 
+QUERY_COUNTERS = (
+    "queries_tokens",
+    "queries_blocks",
+    "hits_tokens",
+    "hits_blocks",
+    "partial_hit_tokens",
+    "capacity_miss_tokens",
+    "capacity_miss_blocks",
+    "sequences_opened",
+)
+"""The counters of client queries (hit rates come from them): work the agent does for itself
+(a store through the transfer port, a snapshot import) is kept out of them
+(``KVCacheManager.uncounted``)."""
+
+
 class GhostList:
     """Keys of recently dropped blocks, bounded, oldest forgotten first."""
 

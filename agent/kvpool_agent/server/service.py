@@ -698,9 +698,7 @@ class AgentService:
 
     def _count_unmatched(self, blocks: int) -> None:
         """Count the part of a leased chain past the lease as queried (missed) tokens."""
-        stats = self.engine.stats
-        stats.queries_tokens += blocks * self.engine.tpb
-        stats.queries_blocks += blocks
+        self.engine.count_missed(blocks)
 
     async def release_lease(self, principal: Principal, lease_id: int) -> None:
         await self.call(lambda: self._close_lease(self._owned_lease(principal, lease_id)))
@@ -841,15 +839,10 @@ class AgentService:
             if d == n:
                 return StoreStart(None, d, n)
             self._admit(tenant, n * tpb)
-            stats = self.engine.stats
-            saved = {name: _copy(getattr(stats, name)) for name in QUERY_COUNTERS}
-            try:
+            with self.engine.uncounted():  # storing is not a prefix-cache query
                 handle = self.engine.open_sequence(
                     tokens, cache_salt=salt, retention=policy, recompute_last_token=False
                 )
-            finally:  # storing is not a prefix-cache query
-                for name, value in saved.items():
-                    setattr(stats, name, value)
             resident = handle.num_reused_tokens // tpb
             ids = {}
             for pool, table in enumerate(handle.block_tables):
@@ -1038,22 +1031,6 @@ CURVE_SLICE = 16
 
 HEAVY_BYTES = 1 << 20
 """Copies larger than this run in a worker thread, so the event loop keeps serving probes."""
-
-QUERY_COUNTERS = (
-    "queries_tokens",
-    "queries_blocks",
-    "hits_tokens",
-    "hits_blocks",
-    "partial_hit_tokens",
-    "capacity_miss_tokens",
-    "capacity_miss_blocks",
-    "sequences_opened",
-)
-"""Engine counters of prefix-cache queries (a store restores them: it is not a query)."""
-
-
-def _copy(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else value
 
 
 def _at_host(endpoint: str | None, host: str) -> str | None:

@@ -34,7 +34,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -455,9 +455,8 @@ def import_snapshot(engine: KVCacheManager, blob: bytes) -> ImportResult:
         if parent >= 0:
             has_child.add(parent)
     budget = IMPORT_WORK_BASE + IMPORT_WORK_PER_RECORD * len(records)
-    saved = {f.name: _copy(getattr(engine.stats, f.name)) for f in fields(engine.stats)}
     result = ImportResult()
-    try:
+    with engine.uncounted():  # importing is not client traffic
         for i in range(len(records)):
             if i in has_child:
                 continue
@@ -482,19 +481,6 @@ def import_snapshot(engine: KVCacheManager, blob: bytes) -> ImportResult:
                 break
             except (SnapshotError, PayloadError, RequestTooLargeError):
                 result.skipped += 1
-    finally:
-        stats = engine.stats
-        for name in (
-            "queries_tokens",
-            "queries_blocks",
-            "hits_tokens",
-            "hits_blocks",
-            "partial_hit_tokens",
-            "capacity_miss_tokens",
-            "capacity_miss_blocks",
-            "sequences_opened",
-        ):
-            setattr(stats, name, saved[name])
     return result
 
 
@@ -601,7 +587,3 @@ def _kind(value: Any) -> str:
 
 def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _copy(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else value

@@ -5,6 +5,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The eviction policies the compiled core runs (the Python core runs any registered one).
+    m.add("POLICIES", crate::eviction::registry::POLICY_NAMES.to_vec())?;
     crate::engine::py::register(m)?;
     crate::eviction::py::register(m)?;
     Ok(())

@@ -190,6 +190,15 @@ impl GhostList {
         self.live.is_empty()
     }
 
+    /// The remembered keys, oldest first.
+    pub fn keys(&self) -> Vec<i64> {
+        self.order
+            .iter()
+            .filter(|(k, s)| self.live.get(k) == Some(s))
+            .map(|&(k, _)| k)
+            .collect()
+    }
+
     fn compact(&mut self) {
         if self.order.len() > 64 && self.order.len() > 2 * self.live.len() {
             let live = &self.live;

@@ -55,6 +55,17 @@ pub struct EngineConfig {
     pub event_buffer_max_size: usize,
 }
 
+/// The settings that may change at run time (`core.CoreSettings`).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub eviction_policy: String,
+    pub enable_block_reuse: bool,
+    pub enable_partial_reuse: bool,
+    pub copy_on_partial_reuse: bool,
+    pub secondary_offload_min_priority: u8,
+    pub event_buffer_max_size: usize,
+}
+
 /// Copy `src` blocks of group `group` in tier `src_tier` to `dst` of `dst_tier`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CopyOp {
@@ -149,7 +160,8 @@ pub struct HandleData {
     pub num_tokens: usize,
     pub num_reused_tokens: usize,
     pub tables: Vec<Vec<u32>>,
-    pub first_token: Vec<usize>,
+    /// Each group's first block still held (non-zero once a window slid).
+    pub first_block: Vec<usize>,
 }
 
 /// Keys the miss-ratio curve and the policy curve sample (`mrc.py`, `miniature.py`).
@@ -268,16 +280,18 @@ impl Engine {
         &self.max_blocks
     }
 
-    /// (capacity, free, pinned) of each group in each tier.
-    pub fn usage(&self) -> Vec<[(usize, usize, usize); 2]> {
+    /// (capacity, free, pinned, evictable) of each group in each tier.
+    pub fn usage(&self) -> Vec<[(usize, usize, usize, usize); 2]> {
         (0..self.num_groups)
             .map(|g| {
                 [PRIMARY, SECONDARY].map(|t| {
-                    let pool = &self.pools[t as usize];
+                    let t = t as usize;
+                    let pool = &self.pools[t];
                     (
                         pool.capacity[g],
                         pool.num_free(g),
-                        self.pinned[t as usize][g],
+                        self.pinned[t][g],
+                        self.queues[t][g].len(),
                     )
                 })
             })
@@ -297,15 +311,32 @@ impl Engine {
                     .map(|&b| self.store.blocks[b as usize].block_id)
                     .collect(),
             );
-            firsts.push(first * self.tpb);
+            firsts.push(first);
         }
         Ok(HandleData {
             seq_id,
             num_tokens: seq.tokens.len(),
             num_reused_tokens: seq.reused,
             tables,
-            first_token: firsts,
+            first_block: firsts,
         })
+    }
+
+    /// New live settings (`CacheCore.configure`): a new eviction policy rebuilds the queues,
+    /// a new event bound resizes the event buffer.
+    pub fn configure(&mut self, settings: Settings, now: f64) -> std::result::Result<(), String> {
+        if settings.eviction_policy != self.cfg.eviction_policy {
+            self.switch_policy(&settings.eviction_policy, now)?;
+        }
+        if settings.event_buffer_max_size != self.cfg.event_buffer_max_size {
+            self.events.resize(settings.event_buffer_max_size);
+        }
+        self.cfg.enable_block_reuse = settings.enable_block_reuse;
+        self.cfg.enable_partial_reuse = settings.enable_partial_reuse;
+        self.cfg.copy_on_partial_reuse = settings.copy_on_partial_reuse;
+        self.cfg.secondary_offload_min_priority = settings.secondary_offload_min_priority;
+        self.cfg.event_buffer_max_size = settings.event_buffer_max_size;
+        Ok(())
     }
 
     pub fn take_copies(&mut self) -> Vec<CopyOp> {
@@ -344,6 +375,11 @@ impl Engine {
 
     pub(crate) fn seq(&self, seq_id: u64) -> Result<&Seq> {
         self.sequences.get(&seq_id).ok_or_else(|| not_open(seq_id))
+    }
+
+    /// Whether some group releases blocks that leave a sequence's window.
+    pub(crate) fn windowed(&self) -> bool {
+        self.full.is_none() || self.num_groups > 1
     }
 
     /// First block index a query at `position` needs in group `g`.

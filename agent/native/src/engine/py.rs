@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use super::log::Event;
 use super::pool::TierLayout;
 use super::store::NONE;
-use super::{Engine, EngineConfig, EngineError, Retention};
+use super::{Engine, EngineConfig, EngineError, Retention, Settings};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
@@ -187,14 +187,14 @@ impl PyEngine {
         self.inner.sequences.contains_key(&seq_id)
     }
 
-    /// (num_tokens, num_reused_tokens, block ids per group, first token per group).
+    /// (num_tokens, num_reused_tokens, block ids per group, first block per group).
     fn handle<'py>(&self, py: Python<'py>, seq_id: u64) -> PyResult<Bound<'py, PyTuple>> {
         let h = self.inner.handle(seq_id).map_err(|e| raise(py, e))?;
         let tables = PyList::empty(py);
         for t in &h.tables {
             tables.append(PyTuple::new(py, t)?)?;
         }
-        (h.num_tokens, h.num_reused_tokens, tables, h.first_token).into_pyobject(py)
+        (h.num_tokens, h.num_reused_tokens, tables, h.first_block).into_pyobject(py)
     }
 
     /// The storage copies recorded since the last call, in order: (group, src_tier,
@@ -226,6 +226,84 @@ impl PyEngine {
         self.inner
             .switch_policy(policy, now)
             .map_err(PyValueError::new_err)
+    }
+
+    /// New live settings (see `core.CoreSettings`).
+    #[pyo3(signature = (
+        eviction_policy, enable_block_reuse, enable_partial_reuse, copy_on_partial_reuse,
+        secondary_offload_min_priority, event_buffer_max_size, now
+    ))]
+    #[allow(clippy::too_many_arguments)] // one argument per setting
+    fn configure(
+        &mut self,
+        eviction_policy: String,
+        enable_block_reuse: bool,
+        enable_partial_reuse: bool,
+        copy_on_partial_reuse: bool,
+        secondary_offload_min_priority: u8,
+        event_buffer_max_size: usize,
+        now: f64,
+    ) -> PyResult<()> {
+        let settings = Settings {
+            eviction_policy,
+            enable_block_reuse,
+            enable_partial_reuse,
+            copy_on_partial_reuse,
+            secondary_offload_min_priority,
+            event_buffer_max_size,
+        };
+        self.inner
+            .configure(settings, now)
+            .map_err(PyValueError::new_err)
+    }
+
+    /// Counters in `CacheStats` field order (two-tier counters as two entries each):
+    /// queries_tokens, queries_blocks, hits_tokens x2, hits_blocks x2, partial_hit_tokens,
+    /// capacity_miss_tokens, capacity_miss_blocks, evictions x2, offloads, onboards,
+    /// chunk_moves, sequences_opened.
+    fn counters(&self) -> [u64; 16] {
+        let s = &self.inner.stats;
+        [
+            s.queries_tokens,
+            s.queries_blocks,
+            s.hits_tokens[0],
+            s.hits_tokens[1],
+            s.hits_blocks[0],
+            s.hits_blocks[1],
+            s.partial_hit_tokens,
+            s.capacity_miss_tokens,
+            s.capacity_miss_blocks,
+            s.evictions[0],
+            s.evictions[1],
+            s.offloads,
+            s.onboards,
+            s.chunk_moves,
+            s.sequences_opened,
+            0,
+        ]
+    }
+
+    /// Set every counter, in `counters()`' order (the last entry is ignored).
+    fn set_counters(&mut self, values: Vec<u64>) -> PyResult<()> {
+        if values.len() < 15 {
+            return Err(PyValueError::new_err(
+                "set_counters: 15 values, in counters() order",
+            ));
+        }
+        let s = &mut self.inner.stats;
+        s.queries_tokens = values[0];
+        s.queries_blocks = values[1];
+        s.hits_tokens = [values[2], values[3]];
+        s.hits_blocks = [values[4], values[5]];
+        s.partial_hit_tokens = values[6];
+        s.capacity_miss_tokens = values[7];
+        s.capacity_miss_blocks = values[8];
+        s.evictions = [values[9], values[10]];
+        s.offloads = values[11];
+        s.onboards = values[12];
+        s.chunk_moves = values[13];
+        s.sequences_opened = values[14];
+        Ok(())
     }
 
     /// Counters, as `CacheStats` names them.
@@ -315,6 +393,14 @@ impl PyEngine {
         self.inner.ghost.len()
     }
 
+    fn ghost_keys(&self) -> Vec<i64> {
+        self.inner.ghost.keys()
+    }
+
+    fn count_missed(&mut self, blocks: u64) {
+        self.inner.count_missed(blocks);
+    }
+
     fn ghost_contains(&self, key: i64) -> bool {
         self.inner.ghost.contains(key)
     }
@@ -334,8 +420,9 @@ impl PyEngine {
         self.inner.group_capacity().to_vec()
     }
 
-    /// Per group: ((capacity, free, pinned) of the primary tier, same of the secondary).
-    fn usage(&self) -> Vec<[(usize, usize, usize); 2]> {
+    /// Per group: ((capacity, free, pinned, evictable) of the primary tier, same of the
+    /// secondary).
+    fn usage(&self) -> Vec<[(usize, usize, usize, usize); 2]> {
         self.inner.usage()
     }
 
@@ -358,19 +445,15 @@ impl PyEngine {
         )
     }
 
-    /// Every node, parents before children: (node id, key, parent id or None for a
-    /// namespace's first blocks, depth, priority, expires_at or None, stored_at,
-    /// last_used, hits, tokens, per group (tier, block id, ref_count) or None).
+    /// Every node, parents before children: (node id, key, parent id (a root's id for a
+    /// namespace's first blocks, see `roots`), depth, priority, expires_at or None,
+    /// stored_at, last_used, hits, tokens, per group (tier, block id, ref_count) or None).
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         let st = &self.inner.store;
         for n in self.inner.iter_nodes() {
             let rec = &st.nodes[n as usize];
-            let parent = if st.nodes[rec.parent as usize].parent == NONE {
-                None
-            } else {
-                Some(rec.parent)
-            };
+            let parent = rec.parent;
             let blocks = PyList::empty(py);
             for g in 0..self.inner.num_groups {
                 let b = st.block_of(n, g);
@@ -404,18 +487,13 @@ impl PyEngine {
         Ok(out)
     }
 
-    /// The namespace of each node's root, for the nodes of `nodes()` (same order).
-    fn namespaces(&self) -> Vec<i64> {
+    /// The namespaces' roots, in the order they were made: (node id, namespace key).
+    fn roots(&self) -> Vec<(u32, i64)> {
         let st = &self.inner.store;
         self.inner
-            .iter_nodes()
-            .into_iter()
-            .map(|mut n| {
-                while st.nodes[n as usize].parent != NONE {
-                    n = st.nodes[n as usize].parent;
-                }
-                st.nodes[n as usize].key
-            })
+            .root_order
+            .iter()
+            .map(|&r| (r, st.nodes[r as usize].key))
             .collect()
     }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::log::Event;
 use super::store::{NONE, PRIMARY, SECONDARY};
 use super::{not_open, Engine, EngineError, Result, Retention, Seq};
+use crate::eviction::Records;
 use crate::pyhash::block_key;
 
 impl Engine {
@@ -162,6 +163,9 @@ impl Engine {
         seq.committed_blocks = d;
         seq.slide_from = seq.reused;
         self.touch(&path);
+        for &node in &path {
+            self.store.hold(node); // readable while the sequence lists it, even once dropped
+        }
         self.sequences.insert(seq_id, seq);
         self.count_query(n, &path, from_host, partial_len, ghost_blocks);
         Ok(seq_id)
@@ -252,6 +256,9 @@ impl Engine {
                 }
             }
         }
+        for &node in &seq.nodes {
+            self.store.unhold(node);
+        }
         Ok(())
     }
 
@@ -308,6 +315,13 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Blocks a client asked for that no open matched (a lease past what the pool holds):
+    /// queried and missed.
+    pub fn count_missed(&mut self, blocks: u64) {
+        self.stats.queries_tokens += blocks * self.tpb as u64;
+        self.stats.queries_blocks += blocks;
     }
 
     pub fn resize_events(&mut self, max_size: usize) {

@@ -169,7 +169,21 @@ impl Engine {
         };
         let mut parent = seq.nodes.last().copied().unwrap_or(root);
         let first = seq.nodes.len();
-        for j in first..full {
+        // The sequence's last stored block left the tree (with window groups only, its
+        // window blocks were released and then evicted): nothing to hang the rest under, so
+        // it stays private to the sequence, as after a key collision.
+        let stop = if self.store.nodes[parent as usize].alive {
+            full
+        } else {
+            first
+        };
+        let slid = seq.slide_from > 0 && self.windowed();
+        for j in first..stop {
+            if slid && seq.held.iter().any(|held| held[j] == NONE) {
+                // A window released this block before it was stored (block reuse was off
+                // then): its KV is gone there, so it and the rest stay private.
+                break;
+            }
             let tokens = &seq.tokens[j * tpb..(j + 1) * tpb];
             let key = block_key(self.store.nodes[parent as usize].key, tokens);
             let found = self.store.child(parent, key);
@@ -185,6 +199,7 @@ impl Engine {
                 break;
             };
             seq.nodes.push(node);
+            self.store.hold(node); // readable while the sequence lists it, even once dropped
             parent = node;
         }
         seq.committed_blocks = seq.nodes.len();
