@@ -7,8 +7,9 @@ release, 1,000 sequences x 64 blocks of 16 tokens, in four cases:
 - half-shared+evict: 32 leading blocks shared by all, 32 distinct, the pool at 10%.
 
 Each case runs with the tokens already built ("tokens") and, with ``--hash-ids``, also
-building them from trace hash ids inside the loop as ``kvpool replay`` does. Beside the
-engine (one column per ``--policies`` entry) run, in the same rounds:
+building them from trace hash ids inside the loop as ``kvpool replay`` does. The engine runs
+one column per ``--cores`` and ``--policies`` entry (``native:mixture``: the compiled core,
+``python:mixture``: the Python one, the engine before it), and beside it, in the same rounds:
 
 - ``minimal``: a dict of chained block keys with an OrderedDict LRU (no pools, no storage);
 - ``vllm`` and ``sglang``: the real managers (``bench/baselines.py``), when this Python has
@@ -19,7 +20,7 @@ Rounds are interleaved (every runner once per case per round, each the best of
 so compare the ratios, not the absolute figures.
 
     python bench/cache_ops.py [--sequences 1000] [--blocks 64] [--policies mixture,lru]
-        [--rounds 5] [--repeat 3] [--out bench/results]
+        [--cores native,python] [--rounds 5] [--repeat 3] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rich.table import Table
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.cache.gc_tuning import tune_gc
+from kvpool_agent.cache.native import native_available
 from kvpool_agent.config import EVICTION_POLICIES, KvCacheConfig, ModelGeometry
 
 TPB = 16
@@ -75,10 +77,10 @@ Runner = Callable[[str, list[list[int]], bool, int], float]
 capacity in blocks)."""
 
 
-def engine_runner(policy: str) -> Runner:
+def engine_runner(policy: str, core: str) -> Runner:
     def run(case: str, seqs: list[list[int]], from_ids: bool, cap: int) -> float:
         config = KvCacheConfig(tokens_per_block=TPB, eviction_policy=policy)
-        mgr = KVCacheManager.with_capacity(MODEL, config, cap)
+        mgr = KVCacheManager.with_capacity(MODEL, config, cap, core=core)
         prebuilt = None if from_ids else [to_tokens(ids) for ids in seqs]
         start = time.perf_counter()
         for i, ids in enumerate(seqs):
@@ -140,18 +142,29 @@ def main() -> None:
         default=f"{KvCacheConfig().eviction_policy},lru",
         help=f"comma-separated engine policies (of {', '.join(EVICTION_POLICIES)})",
     )
+    parser.add_argument(
+        "--cores",
+        default="native,python",
+        help="comma-separated engine cores: native (compiled) and/or python",
+    )
     parser.add_argument("--stem", default="cache_ops", help="result file name stem")
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in EVICTION_POLICIES]
     if unknown or not policies:
         parser.error(f"--policies: unknown {unknown}; allowed: {', '.join(EVICTION_POLICIES)}")
+    cores = [c for c in args.cores.split(",") if c]
+    if not cores or any(c not in ("native", "python") for c in cores):
+        parser.error("--cores: native and/or python")
+    if "native" in cores and not native_available():
+        parser.error("--cores native: kvpool_native is not installed (pip install ./agent/native)")
     if not args.default_gc:
         tune_gc()
     n_seq, n_blocks = args.sequences, args.blocks
     total_blocks = n_seq * n_blocks
     missing = {name: why for name, why in baselines.available().items() if why is not None}
-    runners: dict[str, Runner] = {f"kvpool:{p}": engine_runner(p) for p in policies}
+    engines = [f"{c}:{p}" for c in cores for p in policies]
+    runners: dict[str, Runner] = {f"{c}:{p}": engine_runner(p, c) for c in cores for p in policies}
     runners["minimal"] = run_minimal
     runners.update(
         {name: baseline_runner(name) for name in baselines.available() if name not in missing}
@@ -189,18 +202,27 @@ def main() -> None:
         t.add_column("case")
         t.add_column("input")
     for name in runners:
-        table.add_column(name.removeprefix("kvpool:"), justify="right")
+        table.add_column(name, justify="right")
     refs = [r for r in ("vllm", "sglang", "minimal") if r in runners]
-    for p in policies:
+    if "native" in cores and "python" in cores:
+        refs = [*refs, "python"]  # the compiled core against the Python one, policy by policy
+    for e in engines:
         for ref in refs:
-            ratios.add_column(f"{p} / {ref}", justify="right")
+            if ref == "python" and not e.startswith("native:"):
+                continue
+            ratios.add_column(f"{e} / {ref}", justify="right")
     for r in rows:
         us = {name: float(r[f"{name}_us_per_block"]) for name in runners}  # type: ignore[arg-type]
         table.add_row(str(r["case"]), str(r["input"]), *(f"{us[n]:.2f}" for n in runners))
         ratios.add_row(
             str(r["case"]),
             str(r["input"]),
-            *(f"{us[f'kvpool:{p}'] / us[ref]:.2f}x" for p in policies for ref in refs),
+            *(
+                f"{us[e] / us[_ref(e, ref)]:.2f}x"
+                for e in engines
+                for ref in refs
+                if ref != "python" or e.startswith("native:")
+            ),
         )
     Console().print(table)
     Console().print(ratios)
@@ -216,6 +238,11 @@ def main() -> None:
     }
     (args.out / f"{args.stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, list(runners), args.out / f"{args.stem}.png")
+
+
+def _ref(engine: str, ref: str) -> str:
+    """The column an engine column is compared with (``python``: its policy on that core)."""
+    return "python:" + engine.split(":", 1)[1] if ref == "python" else ref
 
 
 def _plot(rows: list[dict[str, object]], names: list[str], path: Path) -> None:

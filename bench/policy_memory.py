@@ -4,7 +4,10 @@ The mixture policy keeps three shadow caches (keys, tree links, each expert's hi
 beside the real radix tree; this measures what they cost. For each policy a
 ``KVCacheManager`` with the replay geometry (1 layer, 1 head, head dim 1, so its KV tensors
 are negligible, and torch's allocations are not traced anyway) serves a workload, and
-``tracemalloc`` reports the Python memory the manager still holds afterwards. Baselines
+``tracemalloc`` reports the Python memory the manager still holds afterwards; with the
+compiled core (``--cores native``, rows ``native:<policy>``), tracemalloc does not see the
+engine's own heap, so its ``memory_bytes()`` (the capacity of every table the engine
+allocated, records, tokens and queues) is added. Baselines
 measured in the same run: plain LRU, and the real vLLM ``KVCacheManager`` and SGLang
 ``RadixCache`` (``bench/baselines.py``) when this Python has them (run it with
 ``.venv-bench/bin/python`` after ``hack/bench-venv.sh``). Tensor storage is not traced for any
@@ -14,7 +17,8 @@ blocks.
 Workloads: "distinct" (64-block requests that are all new: every history grows to its
 bound, the worst case) and "synthetic" (the Mooncake trace at 10% of its unique blocks).
 
-    python bench/policy_memory.py [--capacity 20000] [--out bench/results]
+    python bench/policy_memory.py [--capacity 20000] [--cores native,python]
+        [--out bench/results]
 """
 
 from __future__ import annotations
@@ -68,12 +72,15 @@ def synthetic() -> Workload:
     return "synthetic@10%", trace.block_size, trace.capacity_blocks(0.10), requests
 
 
-def held_bytes(policy: str, tpb: int, capacity: int, requests: list[list[int]]) -> int:
-    """Python memory a manager under ``policy`` holds after serving ``requests``."""
+def held_bytes(
+    policy: str, tpb: int, capacity: int, requests: list[list[int]], core: str = "python"
+) -> int:
+    """Memory a manager under ``policy`` on ``core`` holds after serving ``requests``: the
+    Python heap, and the compiled engine's heap for the native core."""
     gc.collect()
     tracemalloc.start()
     config = KvCacheConfig(tokens_per_block=tpb, event_buffer_max_size=0, eviction_policy=policy)
-    manager = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=capacity)
+    manager = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=capacity, core=core)
     for ids in requests:
         tokens = [t for h in ids for t in block_tokens(h, tpb)]
         handle = manager.open_sequence(tokens, recompute_last_token=False)
@@ -81,8 +88,9 @@ def held_bytes(policy: str, tpb: int, capacity: int, requests: list[list[int]]) 
     gc.collect()
     held, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    native = manager.native_memory_bytes()
     del manager
-    return held
+    return held + (native or 0)
 
 
 def held_bytes_baseline(name: str, tpb: int, capacity: int, requests: list[list[int]]) -> int:
@@ -104,8 +112,13 @@ def held_bytes_baseline(name: str, tpb: int, capacity: int, requests: list[list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=20_000, help="blocks, distinct workload")
+    parser.add_argument("--cores", default="native,python", help="native and/or python")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    cores = [c for c in args.cores.split(",") if c]
+    if not cores or any(c not in ("native", "python") for c in cores):
+        parser.error("--cores: native and/or python")
+    engines = [(c, p) for c in cores for p in EVICTION_POLICIES]
     rows: list[Row] = []
     cases = [distinct(args.capacity), synthetic()]
     found = [name for name, why in baselines.available().items() if why is None]
@@ -114,31 +127,30 @@ def main() -> None:
             Console(stderr=True).print(f"[yellow]baseline {name} left out: {why}[/]")
     # one small run of each first, so that lazy imports and caches a first use fills are not
     # counted against whichever workload comes first
-    for policy in EVICTION_POLICIES:
-        held_bytes(policy, 16, 128, [list(range(64)), list(range(64, 128))])
+    for core, policy in engines:
+        held_bytes(policy, 16, 128, [list(range(64)), list(range(64, 128))], core)
     for baseline in found:
         held_bytes_baseline(baseline, 16, 128, [list(range(64)), list(range(64, 128))])
     with Progress() as progress:
-        task = progress.add_task(
-            "policy memory", total=len(cases) * (len(EVICTION_POLICIES) + len(found))
-        )
+        task = progress.add_task("policy memory", total=len(cases) * (len(engines) + len(found)))
         for name, tpb, capacity, requests in cases:
-            for policy in EVICTION_POLICIES:
-                held = held_bytes(policy, tpb, capacity, requests)
-                rows.append(Row(name, policy, capacity, held / capacity))
+            for core, policy in engines:
+                held = held_bytes(policy, tpb, capacity, requests, core)
+                rows.append(Row(name, f"{core}:{policy}", capacity, held / capacity))
                 progress.advance(task)
             for baseline in found:
                 held = held_bytes_baseline(baseline, tpb, capacity, requests)
                 rows.append(Row(name, baseline, capacity, held / capacity))
                 progress.advance(task)
-    base = {r.workload: r.bytes_per_block for r in rows if r.policy == "lru"}
+    lru = f"{cores[-1]}:lru"  # the Python core's plain LRU when it runs, the reference before
+    base = {r.workload: r.bytes_per_block for r in rows if r.policy == lru}
     vllm = {r.workload: r.bytes_per_block for r in rows if r.policy == "vllm"}
     for r in rows:
         r.ratio_to_lru = r.bytes_per_block / base[r.workload]
         if r.workload in vllm:
             r.ratio_to_vllm = r.bytes_per_block / vllm[r.workload]
-    table = Table(title="engine metadata (Python heap) per block of capacity")
-    for col in ("workload", "capacity", "policy", "bytes / block", "vs lru", "vs vllm"):
+    table = Table(title="engine metadata per block of capacity (Python heap + compiled core's)")
+    for col in ("workload", "capacity", "policy", "bytes / block", f"vs {lru}", "vs vllm"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -172,8 +184,8 @@ def _plot(rows: list[Row], path: Path) -> None:
         offset = (i - (count - 1) / 2) * width
         ax.bar([j + offset for j in range(len(names))], values, width, label=policy)
     ax.set_xticks(list(range(len(names))), names)
-    ax.set_ylabel("bytes of Python heap per block of capacity")
-    ax.set_title("cache metadata per block: kvpool by eviction policy, vLLM, SGLang")
+    ax.set_ylabel("bytes per block of capacity (Python heap + compiled core)")
+    ax.set_title("cache metadata per block: kvpool by core and policy, vLLM, SGLang")
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()

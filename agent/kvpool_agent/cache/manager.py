@@ -283,6 +283,11 @@ class KVCacheManager:
         pool holds) as queried and missed."""
         self._core.count_missed(blocks)
 
+    def native_memory_bytes(self) -> int | None:
+        """Heap bytes the compiled core keeps (its records, tokens, queues, ghosts, events;
+        tracemalloc does not see them), or None on the Python core."""
+        return self._core.memory_bytes() if isinstance(self._core, NativeCore) else None
+
     @property
     def core_name(self) -> str:
         """Which core keeps the books: ``native`` (compiled) or ``python``."""

@@ -214,11 +214,17 @@ impl Engine {
             })
             .collect();
         let ghost_capacity = cfg.group_blocks[0].iter().sum();
+        // A node holds one block of each group in some tier: about as many nodes as the
+        // largest group holds blocks over both tiers, and a block record per block of every
+        // group (with the initial chunks; the slabs grow if chunks move).
+        let held = |g: usize| cfg.group_blocks[0][g] + cfg.group_blocks[1][g];
+        let nodes = (0..num_groups).map(held).max().unwrap_or(0) + 1;
+        let blocks = (0..num_groups).map(held).sum::<usize>();
         let mut engine = Engine {
             tpb: cfg.tokens_per_block,
             num_groups,
             full: cfg.full,
-            store: Store::new(cfg.tokens_per_block, num_groups),
+            store: Store::with_capacity(cfg.tokens_per_block, num_groups, nodes, blocks),
             pools,
             max_blocks,
             queues: [Vec::new(), Vec::new()],
@@ -371,6 +377,19 @@ impl Engine {
             + self.ghost.memory_bytes()
             + self.events.memory_bytes()
             + self.roots.capacity() * 13
+    }
+
+    /// `memory_bytes` by part.
+    pub fn memory_breakdown(&self) -> Vec<(&'static str, usize)> {
+        let mut out = self.store.memory_breakdown();
+        out.push(("pools", self.pools.iter().map(|p| p.memory_bytes()).sum()));
+        out.push((
+            "queues",
+            self.queues.iter().flatten().map(|q| q.memory_bytes()).sum(),
+        ));
+        out.push(("ghost", self.ghost.memory_bytes()));
+        out.push(("events", self.events.memory_bytes()));
+        out
     }
 
     pub(crate) fn seq(&self, seq_id: u64) -> Result<&Seq> {

@@ -501,6 +501,11 @@ impl PyEngine {
         self.inner.memory_bytes()
     }
 
+    /// `memory_bytes` by part (for the memory benchmark).
+    fn memory_breakdown(&self) -> Vec<(&'static str, usize)> {
+        self.inner.memory_breakdown()
+    }
+
     /// For tests: the mixture policy of (tier, group), if it runs one: (leader, scores,
     /// switches).
     fn mixture_state(&self, tier: usize, group: usize) -> Option<(usize, Vec<f64>, u64)> {

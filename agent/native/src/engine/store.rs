@@ -88,7 +88,29 @@ pub struct Store {
 /// Children from which a node indexes its children's first tokens (`block.HEADS_FROM`).
 pub const HEADS_FROM: u32 = 16;
 
+/// Grow `v` by at least `additional` slots and an eighth of its length, without the
+/// doubling of `Vec` (the slabs are reserved at their expected size up front; growing past it
+/// should not double the memory of the token arena).
+fn grow<T>(v: &mut Vec<T>, additional: usize) {
+    if v.capacity() - v.len() < additional {
+        v.reserve_exact(additional.max(v.len() / 8));
+    }
+}
+
 impl Store {
+    /// Slabs reserved for `nodes` nodes and `blocks` block records: the blocks of every tier
+    /// (each node holds one, but interior nodes of window groups and dropped ones still held
+    /// by a policy or a sequence, which are few).
+    pub fn with_capacity(tpb: usize, num_groups: usize, nodes: usize, blocks: usize) -> Self {
+        let mut store = Store::new(tpb, num_groups);
+        store.nodes.reserve_exact(nodes);
+        store.node_blocks.reserve_exact(nodes * num_groups);
+        store.tokens.reserve_exact(nodes * tpb);
+        store.blocks.reserve_exact(blocks);
+        store.children.reserve(nodes);
+        store
+    }
+
     pub fn new(tpb: usize, num_groups: usize) -> Self {
         Store {
             tpb,
@@ -143,6 +165,9 @@ impl Store {
             }
             None => {
                 let id = self.nodes.len() as u32;
+                grow(&mut self.nodes, 1);
+                grow(&mut self.node_blocks, g);
+                grow(&mut self.tokens, tpb);
                 self.nodes.push(rec);
                 self.node_blocks.resize(self.node_blocks.len() + g, NONE);
                 self.tokens.resize(self.tokens.len() + tpb, 0);
@@ -349,6 +374,7 @@ impl Store {
                 b
             }
             None => {
+                grow(&mut self.blocks, 1);
                 self.blocks.push(BlockRec {
                     group: group as u16,
                     tier,
@@ -372,6 +398,18 @@ impl Store {
         rec.node = NONE;
         rec.gen = rec.gen.wrapping_add(1);
         self.free_blocks.push(b);
+    }
+
+    /// `memory_bytes` by table.
+    pub fn memory_breakdown(&self) -> Vec<(&'static str, usize)> {
+        use std::mem::size_of;
+        vec![
+            ("nodes", self.nodes.capacity() * size_of::<NodeRec>()),
+            ("node_blocks", self.node_blocks.capacity() * 4),
+            ("tokens", self.tokens.capacity() * 4),
+            ("blocks", self.blocks.capacity() * size_of::<BlockRec>()),
+            ("children", self.children.capacity() * 21),
+        ]
     }
 
     /// Heap bytes the records take (capacity of every table), for the memory benchmark.
