@@ -133,13 +133,15 @@ pub struct Counters {
 
 /// `GhostList`: keys of recently dropped blocks, bounded, oldest forgotten first.
 ///
-/// An insertion-ordered set as a deque of (key, stamp) with a map key -> its live stamp;
-/// entries whose stamp is no longer the key's are skipped and compacted away.
+/// An insertion-ordered set: a deque of keys, and each live key's position in it (counted
+/// from the first key ever added). A key added again moves to the end: its older entry is
+/// left behind, skipped when it reaches the front and compacted away.
 pub struct GhostList {
     pub capacity: usize,
-    order: VecDeque<(i64, u64)>,
+    order: VecDeque<i64>,
+    /// Position (since the first add) of `order[0]`.
+    front: u64,
     live: FxHashMap<i64, u64>,
-    stamp: u64,
 }
 
 impl GhostList {
@@ -147,8 +149,8 @@ impl GhostList {
         GhostList {
             capacity,
             order: VecDeque::new(),
+            front: 0,
             live: FxHashMap::default(),
-            stamp: 0,
         }
     }
 
@@ -156,12 +158,14 @@ impl GhostList {
         if self.capacity == 0 {
             return;
         }
-        self.stamp += 1;
-        self.live.insert(key, self.stamp);
-        self.order.push_back((key, self.stamp));
+        let at = self.front + self.order.len() as u64;
+        self.order.push_back(key);
+        self.live.insert(key, at);
         if self.live.len() > self.capacity {
-            while let Some((k, s)) = self.order.pop_front() {
-                if self.live.get(&k) == Some(&s) {
+            while let Some(k) = self.order.pop_front() {
+                let pos = self.front;
+                self.front += 1;
+                if self.live.get(&k) == Some(&pos) {
                     self.live.remove(&k);
                     break;
                 }
@@ -192,21 +196,36 @@ impl GhostList {
 
     /// The remembered keys, oldest first.
     pub fn keys(&self) -> Vec<i64> {
+        let front = self.front;
+        let live = &self.live;
         self.order
             .iter()
-            .filter(|(k, s)| self.live.get(k) == Some(s))
-            .map(|&(k, _)| k)
+            .enumerate()
+            .filter(|&(i, k)| live.get(k) == Some(&(front + i as u64)))
+            .map(|(_, &k)| k)
             .collect()
     }
 
+    /// Drop the entries left behind by keys added again or discarded, once they are as many
+    /// as the live ones (positions of live keys are kept, so only the front moves).
     fn compact(&mut self) {
-        if self.order.len() > 64 && self.order.len() > 2 * self.live.len() {
-            let live = &self.live;
-            self.order.retain(|(k, s)| live.get(k) == Some(s));
+        if self.order.len() <= 64 || self.order.len() <= 2 * self.live.len() {
+            return;
         }
+        let front = self.front;
+        let live = &mut self.live;
+        let mut kept = VecDeque::with_capacity(live.len() * 2);
+        for (i, &k) in self.order.iter().enumerate() {
+            if live.get(&k) == Some(&(front + i as u64)) {
+                live.insert(k, kept.len() as u64);
+                kept.push_back(k);
+            }
+        }
+        self.order = kept;
+        self.front = 0;
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.order.capacity() * 16 + self.live.capacity() * 17
+        self.order.capacity() * 8 + self.live.capacity() * 17
     }
 }

@@ -431,3 +431,6 @@ pub(crate) fn not_open(seq_id: u64) -> EngineError {
         "sequence {seq_id} is not open (unknown or released)"
     ))
 }
+
+#[cfg(test)]
+mod tests;

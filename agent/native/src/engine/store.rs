@@ -10,7 +10,10 @@
 //! table. The tree finds children by key and reads the tokens only to confirm a match and to
 //! measure a partial one, as the Python engine does with its packed tokens.
 
-use rustc_hash::FxHashMap;
+use std::hash::{BuildHasher, Hasher};
+
+use hashbrown::HashTable;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::eviction::{Item, Node, Records, DEFAULT_PRIORITY};
 
@@ -78,7 +81,7 @@ pub struct Store {
     pub blocks: Vec<BlockRec>,
     free_blocks: Vec<u32>,
     /// (parent node, child key) -> child node.
-    children: FxHashMap<(u32, i64), u32>,
+    children: ChildIndex,
     /// Parents with many children: first token -> how many children start with it (the
     /// partial match skips parents where no child starts with the next token).
     heads: FxHashMap<u32, FxHashMap<u64, u32>>,
@@ -107,7 +110,7 @@ impl Store {
         store.node_blocks.reserve_exact(nodes * num_groups);
         store.tokens.reserve_exact(nodes * tpb);
         store.blocks.reserve_exact(blocks);
-        store.children.reserve(nodes);
+        store.children.table.reserve(nodes, |_| 0);
         store
     }
 
@@ -122,7 +125,7 @@ impl Store {
             wide: FxHashMap::default(),
             blocks: Vec::new(),
             free_blocks: Vec::new(),
-            children: FxHashMap::default(),
+            children: ChildIndex::default(),
             heads: FxHashMap::default(),
             live_nodes: 0,
         }
@@ -242,7 +245,7 @@ impl Store {
     /// Link `child` as the last child of its parent (insertion order, as a dict keeps it).
     pub fn link_child(&mut self, parent: u32, child: u32) {
         let key = self.nodes[child as usize].key;
-        self.children.insert((parent, key), child);
+        self.children.insert(parent, key, child, &self.nodes);
         let last = self.nodes[parent as usize].last_child;
         self.nodes[child as usize].prev_sibling = last;
         self.nodes[child as usize].next_sibling = NONE;
@@ -277,7 +280,7 @@ impl Store {
     /// Unlink `child` from its parent's children.
     pub fn unlink_child(&mut self, parent: u32, child: u32) {
         let key = self.nodes[child as usize].key;
-        self.children.remove(&(parent, key));
+        self.children.remove(parent, key, &self.nodes);
         let (prev, next) = {
             let c = &self.nodes[child as usize];
             (c.prev_sibling, c.next_sibling)
@@ -306,7 +309,7 @@ impl Store {
     }
 
     pub fn child(&self, parent: u32, key: i64) -> u32 {
-        *self.children.get(&(parent, key)).unwrap_or(&NONE)
+        self.children.get(parent, key, &self.nodes)
     }
 
     /// Whether some child's tokens may start with `token` (`TreeNode.may_extend`).
@@ -408,7 +411,7 @@ impl Store {
             ("node_blocks", self.node_blocks.capacity() * 4),
             ("tokens", self.tokens.capacity() * 4),
             ("blocks", self.blocks.capacity() * size_of::<BlockRec>()),
-            ("children", self.children.capacity() * 21),
+            ("children", self.children.table.allocation_size()),
         ]
     }
 
@@ -424,13 +427,58 @@ impl Store {
             + self.wide.values().map(|v| v.len() * 8).sum::<usize>()
             + self.blocks.capacity() * size_of::<BlockRec>()
             + self.free_blocks.capacity() * 4
-            + self.children.capacity() * map_entry(16, 4)
+            + self.children.table.allocation_size()
             + self.heads.capacity() * map_entry(4, 32)
             + self
                 .heads
                 .values()
                 .map(|h| h.capacity() * map_entry(8, 4))
                 .sum::<usize>()
+    }
+}
+
+/// (parent node, key) -> child node, storing only the child's id: the key and the parent
+/// are read back from the node slab, so each entry is 4 bytes instead of a 24-byte pair.
+#[derive(Default)]
+struct ChildIndex {
+    table: HashTable<u32>,
+}
+
+#[inline]
+fn child_hash(parent: u32, key: i64) -> u64 {
+    let mut h = FxBuildHasher.build_hasher();
+    h.write_i64(key);
+    h.write_u32(parent);
+    h.finish()
+}
+
+impl ChildIndex {
+    #[inline]
+    fn get(&self, parent: u32, key: i64, nodes: &[NodeRec]) -> u32 {
+        let found = self.table.find(child_hash(parent, key), |&c| {
+            let n = &nodes[c as usize];
+            n.key == key && n.parent == parent
+        });
+        found.copied().unwrap_or(NONE)
+    }
+
+    fn insert(&mut self, parent: u32, key: i64, child: u32, nodes: &[NodeRec]) {
+        let rehash = |&c: &u32| {
+            let n = &nodes[c as usize];
+            child_hash(n.parent, n.key)
+        };
+        self.table
+            .insert_unique(child_hash(parent, key), child, rehash);
+    }
+
+    fn remove(&mut self, parent: u32, key: i64, nodes: &[NodeRec]) {
+        let found = self.table.find_entry(child_hash(parent, key), |&c| {
+            let n = &nodes[c as usize];
+            n.key == key && n.parent == parent
+        });
+        if let Ok(entry) = found {
+            entry.remove();
+        }
     }
 }
 

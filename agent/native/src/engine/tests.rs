@@ -1,0 +1,146 @@
+//! The engine's own tests: what the Python differential harness cannot reach (a forced key
+//! collision, a chain too deep to recurse, slots kept while held). Everything observable is
+//! compared with the Python engine by `tests/cache/test_differential.py`.
+
+use std::sync::Arc;
+
+use super::pool::TierLayout;
+use super::store::NONE;
+use super::{Engine, EngineConfig, Retention};
+use crate::pyhash::block_key;
+
+const TPB: usize = 4;
+
+fn engine(blocks: usize, policy: &str) -> Engine {
+    let tier = |n: usize| TierLayout {
+        chunk_bytes: 64 * n as u64,
+        num_chunks: usize::from(n > 0),
+        group_chunks: vec![usize::from(n > 0)],
+        block_bytes: vec![64],
+    };
+    Engine::new(EngineConfig {
+        tokens_per_block: TPB,
+        windows: vec![1 << 40],
+        full: Some(0),
+        tiers: [tier(blocks), tier(0)],
+        group_blocks: [vec![blocks], vec![0]],
+        eviction_policy: policy.to_string(),
+        enable_block_reuse: true,
+        enable_partial_reuse: false,
+        copy_on_partial_reuse: true,
+        secondary_offload_min_priority: 35,
+        event_buffer_max_size: 0,
+    })
+    .unwrap()
+}
+
+fn store(e: &mut Engine, tokens: &[u64]) -> u64 {
+    let seq = e
+        .open(
+            0,
+            tokens.to_vec(),
+            true,
+            Arc::new(Retention::default_policy()),
+            0.0,
+        )
+        .unwrap();
+    e.release(seq, false, 0.0).unwrap();
+    seq
+}
+
+/// Give the node holding `tokens` (below the root) the key `tokens_of_key` would have: the
+/// two blocks now collide, as 64-bit keys can.
+fn collide(e: &mut Engine, tokens: &[u64], tokens_of_key: &[u64]) {
+    let root = e.roots[&0];
+    let node = e.store.child(root, block_key(0, tokens));
+    assert_ne!(node, NONE);
+    e.store.unlink_child(root, node);
+    e.store.nodes[node as usize].key = block_key(0, tokens_of_key);
+    e.store.link_child(root, node);
+}
+
+#[test]
+fn a_key_collision_is_a_miss_never_another_blocks_kv() {
+    let mut e = engine(8, "lru");
+    store(&mut e, &[1, 2, 3, 4, 9]);
+    collide(&mut e, &[1, 2, 3, 4], &[5, 6, 7, 8]);
+    // Found by key, refused by its tokens.
+    assert_eq!(e.lookup(0, &[5, 6, 7, 8]), Vec::<u8>::new());
+    assert_eq!(e.lookup(0, &[1, 2, 3, 4]), Vec::<u8>::new()); // its own key moved away
+    let seq = e.open(
+        0,
+        vec![5, 6, 7, 8, 0],
+        true,
+        Arc::new(Retention::default_policy()),
+        0.0,
+    );
+    let h = e.handle(seq.unwrap()).unwrap();
+    assert_eq!(h.num_reused_tokens, 0);
+}
+
+#[test]
+fn a_block_whose_key_collides_is_not_stored_over_the_other() {
+    let mut e = engine(8, "lru");
+    store(&mut e, &[1, 2, 3, 4, 9]);
+    collide(&mut e, &[1, 2, 3, 4], &[5, 6, 7, 8]);
+    let nodes = e.num_nodes();
+    store(&mut e, &[5, 6, 7, 8, 1, 1, 1, 1, 0]);
+    // The colliding block and the one after it stayed private: the tree did not grow.
+    assert_eq!(e.num_nodes(), nodes);
+}
+
+#[test]
+fn a_chain_deeper_than_any_stack_drops_without_recursion() {
+    let depth = 100_000;
+    let mut e = engine(depth + 1, "lru");
+    let tokens: Vec<u64> = (0..(depth * TPB) as u64).collect();
+    store(&mut e, &tokens);
+    assert_eq!(e.num_nodes(), depth);
+    // Clearing drops it leaf by leaf (clear walks it with an explicit stack).
+    assert_eq!(e.clear(0.0), depth);
+    // A drop of the top node takes the whole chain below it (drop_node's own stack).
+    store(&mut e, &tokens);
+    let root = e.roots[&0];
+    let top = e.store.nodes[root as usize].first_child;
+    let block = e.store.block_of(top, 0);
+    e.store.set_block_of(top, 0, NONE);
+    e.store.blocks[block as usize].node = NONE;
+    e.pools[0].release(0, e.store.blocks[block as usize].block_id);
+    e.queues[0][0].discard(block, &mut e.store);
+    e.store.free_block(block);
+    e.drop_node(top, super::log::Reason::Evicted, Some(0), 0.0);
+    assert_eq!(e.num_nodes(), 0);
+    assert_eq!(e.pools[0].num_free(0), depth + 1);
+}
+
+#[test]
+fn a_dropped_node_a_sequence_lists_keeps_its_slot_until_the_sequence_is_released() {
+    // With window groups only, a node an open sequence lists can leave the tree (its window
+    // blocks released, then evicted); the sequence still touches it on release, as the
+    // Python engine touches its stale object, so the slot must not hold another node by then.
+    let mut e = engine(4, "lru");
+    store(&mut e, &[1, 2, 3, 4, 9]);
+    let seq = e.open(
+        0,
+        vec![1, 2, 3, 4, 5],
+        true,
+        Arc::new(Retention::default_policy()),
+        0.0,
+    );
+    let seq = seq.unwrap();
+    let node = e.sequences[&seq].nodes[0];
+    let key = e.store.nodes[node as usize].key;
+    e.store.unlink_child(e.roots[&0], node); // the tree drops it
+    e.store.free_node(node);
+    let other = e.store.new_node(7, e.roots[&0], &[7, 7, 7, 7]);
+    assert_ne!(other, node, "a slot a sequence lists is not reused");
+    assert_eq!(e.store.nodes[node as usize].key, key);
+    let block = e.sequences[&seq].held[0][0];
+    e.store.blocks[block as usize].node = NONE; // its block became the sequence's own
+    e.release(seq, true, 0.0).unwrap();
+    assert_eq!(
+        e.store.new_node(8, e.roots[&0], &[8, 8, 8, 8]),
+        node,
+        "now it is reused"
+    );
+}
