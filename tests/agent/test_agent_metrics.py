@@ -118,3 +118,13 @@ async def test_a_zero_cpu_share_turns_the_policy_curve_off() -> None:
     svc.engine.release(handle.seq_id)
     assert svc.engine.miniature is None
     assert await svc.simulate_policy_curve(now=time.monotonic() + 60) == 0
+
+
+async def test_the_running_core_is_exported_and_in_stats(
+    client: httpx.AsyncClient, service: AgentService
+) -> None:
+    core = service.engine.core_name
+    assert core in ("native", "python")
+    m = await scrape(client)
+    assert m[("kvpool_engine_core_info", (("core", core),))] == 1
+    assert (await client.get("/v1/stats")).json()["engine_core"] == core

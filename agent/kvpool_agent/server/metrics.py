@@ -119,6 +119,14 @@ class CacheCollector(Collector):
         onboarded.add_metric(["primary"], s.onboards)
         yield onboarded
         yield _counter("kvpool_sequences_opened", "Sequences opened.", s.sequences_opened)
+        core = GaugeMetricFamily(
+            "kvpool_engine_core_info",
+            "The core keeping the cache's books (1 for the one running): native (compiled) "
+            "or python.",
+            labels=["core"],
+        )
+        core.add_metric([engine.core_name], 1.0)
+        yield core
 
         used = GaugeMetricFamily(
             "kvpool_cache_blocks_used",

@@ -155,6 +155,10 @@ class StatsResponse(BaseModel):
         "policy, ratio times capacity_blocks, had (cache/miniature.py); null when "
         "limits.policy_curve_cpu_share is 0."
     )
+    engine_core: str = Field(
+        description="Which core keeps the cache's books: native (compiled, agent/native) or "
+        "python (the reference, where the compiled one is not installed or KVPOOL_CORE=python)"
+    )
     open_sequences: int
     pools: list[dict[str, Any]]
 

@@ -191,6 +191,7 @@ class AgentService:
         self.limits = config.limits
         self.credentials = Credentials(config.auth)
         self.engine = engine if engine is not None else KVCacheManager.from_agent_config(config)
+        log.info("cache engine core: %s", self.engine.core_name)
         self.lock = asyncio.Lock()
         primary_medium = "GPU" if self.engine.device.type == "cuda" else "CPU"
         ev = config.events
@@ -981,6 +982,7 @@ class AgentService:
             "offloads": s.offloads,
             "onboards": s.onboards,
             "sequences_opened": s.sequences_opened,
+            "engine_core": self.engine.core_name,
             "open_sequences": self.engine.num_open_sequences,
             "tree_blocks": self.engine.num_nodes,
             "pools": self.engine.usage(),
