@@ -1031,7 +1031,7 @@ def policy_curve_document(mini: PolicyCurveSnapshot) -> dict[str, Any]:
 CURVE_SLICE = 16
 """Sampled keys replayed per hold of the engine lock (a few milliseconds for ``mixture``)."""
 NATIVE_CURVE_SLICE = 256
-"""The same for the compiled miniature (``cache/native_curves.py``), 20 to 40 times faster
+"""The same for the compiled miniature (``cache/native_curves.py``), 20 to 30 times faster
 per key: about as long a hold, and fewer of them."""
 
 HEAVY_BYTES = 1 << 20
