@@ -1,20 +1,22 @@
 """What the policy curve (``cache/miniature.py``) costs, beside the engine it watches.
 
-For each eviction policy and cache size it measures, in one run:
+For each engine core, eviction policy and cache size it measures, in one run:
 
 - ``engine``: the engine's own request path, microseconds per block (open + release of
   64-block sequences drawn from a Zipf popularity over distinct prefixes, its miniature's
   queue left undrained: the request path only appends sampled keys);
-- ``record``: that path's share spent queueing sampled keys (the same loop with the hook
-  replaced by a no-op, subtracted);
-- ``replay``: microseconds per sampled key for ``drain`` (every miniature steps once);
+- ``record``: that path's share spent queueing sampled keys (the same loop with the policy
+  curve off, subtracted);
+- ``replay``: microseconds per sampled key for ``drain`` (every miniature steps once): in
+  Python on the Python core, compiled on the compiled core (``cache/native_curves.py``);
 - ``per block``: ``replay x rate``, what simulating every block's sample costs per engine
   block, and its ratio to ``engine``;
 - ``budget``: the engine blocks per second whose samples fit in the agent's default CPU share
   (``limits.policy_curve_cpu_share``, 5% of a core); beyond it the oldest queued keys are
   dropped (``kvpool_prefix_cache_policy_curve_dropped_total``).
 
-    python bench/policy_curve.py [--policies lru mixture] [--capacities 1000 10000 100000]
+    python bench/policy_curve.py [--cores native python] [--policies lru mixture]
+        [--capacities 1000 10000 100000]
 
 Writes ``bench/results/policy_curve.json``. Absolute times are this machine's; the ratios
 are what to compare.
@@ -36,7 +38,8 @@ from rich.table import Table
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.cache.gc_tuning import tune_gc
-from kvpool_agent.cache.miniature import PolicyMiniature
+from kvpool_agent.cache.native import native_available
+from kvpool_agent.cache.native_curves import AnyPolicyMiniature
 from kvpool_agent.config import KvCacheConfig, LimitsConfig, ModelGeometry
 
 TPB = 16
@@ -61,12 +64,18 @@ def prompts(capacity: int, count: int, seed: int = 5) -> list[list[int]]:
     return out
 
 
-def engine_pass(policy: str, capacity: int, seqs: list[list[int]], hook: bool) -> float:
-    """Seconds per block of the request path, with or without the miniature's queueing."""
+def new_engine(core: str, policy: str, capacity: int) -> KVCacheManager:
     config = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=0, eviction_policy=policy)
-    engine = KVCacheManager.with_capacity(MODEL, config, num_blocks=capacity)
-    if not hook:
-        engine.miniature.access_nodes = lambda nodes: None  # type: ignore[method-assign]
+    engine = KVCacheManager.with_capacity(MODEL, config, num_blocks=capacity, core=core)
+    assert engine.core_name == core
+    return engine
+
+
+def engine_pass(core: str, policy: str, capacity: int, seqs: list[list[int]], curve: bool) -> float:
+    """Seconds per block of the request path, with or without the policy curve."""
+    engine = new_engine(core, policy, capacity)
+    if not curve:
+        engine.policy_curve(False)
     start = time.perf_counter()
     for tokens in seqs:
         handle = engine.open_sequence(tokens)
@@ -75,11 +84,11 @@ def engine_pass(policy: str, capacity: int, seqs: list[list[int]], hook: bool) -
     return (time.perf_counter() - start) / (len(seqs) * BLOCKS)
 
 
-def replay_cost(policy: str, capacity: int, seqs: list[list[int]]) -> dict[str, Any]:
+def replay_cost(core: str, policy: str, capacity: int, seqs: list[list[int]]) -> dict[str, Any]:
     """Queue every block's sample as the engine would, then time ``drain``."""
-    config = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=0, eviction_policy=policy)
-    engine = KVCacheManager.with_capacity(MODEL, config, num_blocks=capacity)
+    engine = new_engine(core, policy, capacity)
     mini = engine.miniature
+    assert mini is not None
     mini.max_pending = 1 << 30  # keep every sample for the timing
     for tokens in seqs:
         handle = engine.open_sequence(tokens)
@@ -92,15 +101,16 @@ def replay_cost(policy: str, capacity: int, seqs: list[list[int]]) -> dict[str, 
     return {"keys": keys, "replay_s_per_key": took / keys if keys else 0.0, "mini": mini}
 
 
-def measure(policy: str, capacity: int, sequences: int, repeat: int) -> dict[str, Any]:
+def measure(core: str, policy: str, capacity: int, sequences: int, repeat: int) -> dict[str, Any]:
     seqs = prompts(capacity, sequences)
-    with_hook = min(engine_pass(policy, capacity, seqs, True) for _ in range(repeat))
-    without = min(engine_pass(policy, capacity, seqs, False) for _ in range(repeat))
-    replay = replay_cost(policy, capacity, seqs)
-    mini: PolicyMiniature = replay.pop("mini")
+    with_hook = min(engine_pass(core, policy, capacity, seqs, True) for _ in range(repeat))
+    without = min(engine_pass(core, policy, capacity, seqs, False) for _ in range(repeat))
+    replay = replay_cost(core, policy, capacity, seqs)
+    mini: AnyPolicyMiniature = replay.pop("mini")
     per_block = replay["replay_s_per_key"] * mini.rate
     share = LimitsConfig.model_validate({}).policy_curve_cpu_share
     return {
+        "core": core,
         "policy": policy,
         "capacity_blocks": capacity,
         "sample_rate": mini.rate,
@@ -117,23 +127,33 @@ def measure(policy: str, capacity: int, sequences: int, repeat: int) -> dict[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cores",
+        nargs="+",
+        choices=("native", "python"),
+        default=["native", "python"] if native_available() else ["python"],
+        help="engine cores: native (compiled, its curves too) and/or python",
+    )
     parser.add_argument("--policies", nargs="+", default=["lru", "mixture"])
     parser.add_argument("--capacities", type=int, nargs="+", default=[1000, 10_000, 100_000])
     parser.add_argument("--sequences", type=int, default=1500)
     parser.add_argument("--repeat", type=int, default=3, help="best of N engine passes")
     parser.add_argument("--out", type=Path, default=RESULTS / "policy_curve.json")
     args = parser.parse_args()
+    if "native" in args.cores and not native_available():
+        parser.error("--cores native: kvpool_native is not installed (pip install ./agent/native)")
     tune_gc()
     rows = []
+    cases = [(c, p, n) for c in args.cores for p in args.policies for n in args.capacities]
     with Progress(console=console, disable=not console.is_terminal) as progress:
-        task = progress.add_task("cases", total=len(args.policies) * len(args.capacities))
-        for policy in args.policies:
-            for capacity in args.capacities:
-                progress.update(task, description=f"{policy} {capacity}")
-                rows.append(measure(policy, capacity, args.sequences, args.repeat))
-                progress.advance(task)
+        task = progress.add_task("cases", total=len(cases))
+        for core, policy, capacity in cases:
+            progress.update(task, description=f"{core} {policy} {capacity}")
+            rows.append(measure(core, policy, capacity, args.sequences, args.repeat))
+            progress.advance(task)
     table = Table(title="policy curve cost (us; ratios are what to compare)")
     for col in (
+        "core",
         "policy",
         "blocks",
         "rate",
@@ -147,6 +167,7 @@ def main() -> int:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
+            r["core"],
             r["policy"],
             f"{r['capacity_blocks']:,}",
             f"1/{round(1 / r['sample_rate'])}",

@@ -84,7 +84,8 @@ priority, expires_at, stored_at, last_used, hits, and per group a ``Block`` or N
 tier, block_id, ref_count), and the objects ``stats`` (``CacheStats``), ``events``
 (``EventQueue``), ``ghost`` (``GhostList``), ``mrc`` and ``miniature`` (replaceable: the
 core calls their ``access_nodes`` with the nodes a request hit, then with those it
-stored, reading only ``key``).
+stored, reading only ``key``; the compiled core feeds compiled curves of the same interface
+inside the engine, ``native_curves.py``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ from kvpool_agent.cache.events import AllBlocksCleared, EventQueue
 from kvpool_agent.cache.groups import make_groups
 from kvpool_agent.cache.miniature import PolicyMiniature
 from kvpool_agent.cache.mrc import MissRatioCurve
+from kvpool_agent.cache.native_curves import AnyMissRatioCurve, AnyPolicyMiniature
 from kvpool_agent.cache.packed import block_key, pack_blocks, slice_blocks
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.sequences import SequenceRecord, not_open
@@ -186,9 +188,9 @@ class CacheCore:
         )
         self.sequences: dict[int, SequenceRecord] = {}
         self._next_seq = 1
-        self.mrc = MissRatioCurve(self._curve_capacity())
+        self.mrc: AnyMissRatioCurve = MissRatioCurve(self._curve_capacity())
         """Reuse distances of the accessed blocks (``cache/mrc.py``): hits and stores."""
-        self.miniature: PolicyMiniature | None = None
+        self.miniature: AnyPolicyMiniature | None = None
         """The policy's own curve (``cache/miniature.py``), fed the same accesses; the agent
         drains it between requests. None: off (``policy_curve``)."""
         self.policy_curve(True)

@@ -41,9 +41,8 @@ from kvpool_agent.cache.core import (
 )
 from kvpool_agent.cache.errors import InvalidTokensError, RequestTooLargeError
 from kvpool_agent.cache.events import EventQueue
-from kvpool_agent.cache.miniature import PolicyMiniature
-from kvpool_agent.cache.mrc import MissRatioCurve
 from kvpool_agent.cache.native import NativeCore, NativeEvents, NativeGhost, new_core
+from kvpool_agent.cache.native_curves import AnyMissRatioCurve, AnyPolicyMiniature
 from kvpool_agent.cache.retention import KvCacheRetentionConfig
 from kvpool_agent.cache.sequences import (
     check_and_pack,
@@ -319,22 +318,24 @@ class KVCacheManager:
         return self._core.ghost
 
     @property
-    def mrc(self) -> MissRatioCurve:
-        """Reuse distances of the accessed blocks (``cache/mrc.py``): hits and stores."""
+    def mrc(self) -> AnyMissRatioCurve:
+        """Reuse distances of the accessed blocks (``cache/mrc.py``): hits and stores. On the
+        compiled core, a view of its compiled curve (``cache/native_curves.py``)."""
         return self._core.mrc
 
     @mrc.setter
-    def mrc(self, curve: MissRatioCurve) -> None:
+    def mrc(self, curve: AnyMissRatioCurve) -> None:
         self._core.mrc = curve
 
     @property
-    def miniature(self) -> PolicyMiniature | None:
+    def miniature(self) -> AnyPolicyMiniature | None:
         """The policy's own curve (``cache/miniature.py``), fed the same accesses; the agent
-        drains it between requests. None: off (``policy_curve``)."""
+        drains it between requests. None: off (``policy_curve``). On the compiled core, a
+        view of its compiled miniature (``cache/native_curves.py``)."""
         return self._core.miniature
 
     @miniature.setter
-    def miniature(self, miniature: PolicyMiniature | None) -> None:
+    def miniature(self, miniature: AnyPolicyMiniature | None) -> None:
         self._core.miniature = miniature
 
     @property

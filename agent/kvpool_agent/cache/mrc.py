@@ -30,6 +30,11 @@ Counts are per accessed block: a hit (a matched block of an opened sequence) or 
 (a block a sequence filled and the cache inserted, a miss). The histogram's bucket ``le=x``
 holds the accesses that an LRU cache of ``x`` x capacity blocks would have hit; ``+Inf``
 adds the cold ones (first accesses and distances beyond the covered range).
+
+The compiled core runs a compiled twin of this class, fed by the engine itself
+(``agent/native/src/curves/mrc.rs``, wrapped by ``native_curves.NativeMissRatioCurve``),
+whose snapshots equal this class's to the last bit (``tests/native/test_curves.py``). This
+class is its specification, and the curve of the Python core.
 """
 
 from __future__ import annotations

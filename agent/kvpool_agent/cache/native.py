@@ -7,11 +7,17 @@ victims and their order, counters, events and copies. ``NativeCore`` adapts it t
 stays the readable specification, and the fallback where the compiled module is missing;
 ``tests/cache/differential.py`` holds the two to each other.
 
-What stays in Python here: the miss-ratio curve and the policy curve (the engine samples
-the keys with their masks and hands them over after each call, ``_after``), the counters
-as a ``CacheStats`` (refreshed after each call), and ``iter_nodes`` records (built on
-demand as ``TreeNode`` and ``Block`` objects: snapshots and tools read them, the request
-path never does). Events stay in the engine until drained (``NativeEvents``).
+The miss-ratio curve and the policy curve are compiled too (``native_curves.py``): the
+engine holds them and feeds them on every request, and ``mrc`` and ``miniature`` are views
+of them (reads, and the policy curve's ``drain``, go through the engine). A Python curve
+assigned to either is replaced by its compiled equal where it has one (a curve never fed, of
+a shape the compiled curves take), else fed from Python as before: the engine samples the
+keys with its mask and hands them over after each call (``_after``).
+
+What stays in Python here: the counters as a ``CacheStats`` (refreshed after each call),
+and ``iter_nodes`` records (built on demand as ``TreeNode`` and ``Block`` objects:
+snapshots and tools read them, the request path never does). Events stay in the engine
+until drained (``NativeEvents``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ from kvpool_agent.cache.events import (
 )
 from kvpool_agent.cache.miniature import PolicyMiniature
 from kvpool_agent.cache.mrc import MissRatioCurve
+from kvpool_agent.cache.native_curves import (
+    AnyMissRatioCurve,
+    AnyPolicyMiniature,
+    NativeMissRatioCurve,
+    NativePolicyMiniature,
+)
 from kvpool_agent.cache.packed import pack
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.stats import CacheStats
@@ -194,8 +206,11 @@ class NativeCore:
         self.events = NativeEvents(self._engine)
         self.ghost = NativeGhost(self._engine)
         self._retentions: dict[int, tuple[KvCacheRetentionConfig, Any]] = {}
-        self._mrc = MissRatioCurve(self._curve_capacity())
-        self._miniature: PolicyMiniature | None = None
+        self._mrc: AnyMissRatioCurve = NativeMissRatioCurve(self._curve_capacity())
+        self._mrc.attach(self._engine)
+        self._miniature: AnyPolicyMiniature | None = None
+        self._python_fed = False
+        """Whether a curve is fed from Python (``_after``), not by the engine."""
         self.policy_curve(True)
 
     def _curve_capacity(self) -> int:
@@ -207,41 +222,77 @@ class NativeCore:
     # ----------------------------------------------------------------- curves
 
     @property
-    def mrc(self) -> MissRatioCurve:
+    def mrc(self) -> AnyMissRatioCurve:
         return self._mrc
 
     @mrc.setter
-    def mrc(self, curve: MissRatioCurve) -> None:
+    def mrc(self, curve: AnyMissRatioCurve) -> None:
+        if isinstance(curve, MissRatioCurve):
+            curve = NativeMissRatioCurve.like(curve) or curve
+        old = self._mrc
+        if isinstance(old, NativeMissRatioCurve):
+            old.detach()
+        if isinstance(curve, NativeMissRatioCurve):
+            try:
+                curve.attach(self._engine)
+            except Exception:
+                if isinstance(old, NativeMissRatioCurve):
+                    old.attach(self._engine)
+                raise
         self._mrc = curve
         self._sampling()
 
     @property
-    def miniature(self) -> PolicyMiniature | None:
+    def miniature(self) -> AnyPolicyMiniature | None:
         return self._miniature
 
     @miniature.setter
-    def miniature(self, miniature: PolicyMiniature | None) -> None:
+    def miniature(self, miniature: AnyPolicyMiniature | None) -> None:
+        if isinstance(miniature, PolicyMiniature):
+            miniature = NativePolicyMiniature.like(miniature) or miniature
+        old = self._miniature
+        if isinstance(old, NativePolicyMiniature):
+            old.detach()
+        if isinstance(miniature, NativePolicyMiniature):
+            try:
+                miniature.attach(self._engine)
+            except Exception:
+                if isinstance(old, NativePolicyMiniature):
+                    old.attach(self._engine)
+                raise
         self._miniature = miniature
         self._sampling()
 
     def _sampling(self) -> None:
-        mini = self._miniature
-        self._engine.set_sampling(self._mrc.mask, None if mini is None else mini.mask)
+        """Have the engine sample keys for the curves it does not feed itself."""
+        mrc, mini = self._mrc, self._miniature
+        mrc_mask = None if isinstance(mrc, NativeMissRatioCurve) else mrc.mask
+        mini_mask = None if mini is None or isinstance(mini, NativePolicyMiniature) else mini.mask
+        self._engine.set_sampling(mrc_mask, mini_mask)
+        self._python_fed = mrc_mask is not None or mini_mask is not None
 
     def policy_curve(self, on: bool) -> None:
         """Run the policy curve's miniatures (a new one, of the current policy) or none."""
-        self.miniature = (
-            PolicyMiniature(self.settings.eviction_policy, self._curve_capacity()) if on else None
-        )
+        policy = self.settings.eviction_policy
+        capacity = self._curve_capacity()
+        mini: AnyPolicyMiniature | None = None
+        if on:
+            native = policy in native_policies()
+            mini = (NativePolicyMiniature if native else PolicyMiniature)(policy, capacity)
+        self.miniature = mini
 
     def _after(self) -> None:
-        """After every call: the sampled accesses to the curves, the counters to ``stats``."""
+        """After every call: sampled accesses to the curves fed from Python (if any), the
+        counters to ``stats``."""
         engine = self._engine
-        count, mrc_keys, mini_keys = engine.take_accesses()
-        if count:
-            self._mrc.access_sampled(count, mrc_keys)
-            if self._miniature is not None:
-                self._miniature.queue_sampled(mini_keys)
+        if self._python_fed:
+            count, mrc_keys, mini_keys = engine.take_accesses()
+            if count:
+                if not isinstance(self._mrc, NativeMissRatioCurve):
+                    self._mrc.access_sampled(count, mrc_keys)
+                mini = self._miniature
+                if mini is not None and not isinstance(mini, NativePolicyMiniature):
+                    mini.queue_sampled(mini_keys)
         c = engine.counters()
         s = self.stats
         s.queries_tokens = c[0]

@@ -9,6 +9,7 @@
 // Python engine it follows does; index loops say that more plainly than zipped iterators.
 #![allow(clippy::needless_range_loop)]
 
+pub mod curves;
 pub mod engine;
 pub mod eviction;
 pub mod pyhash;

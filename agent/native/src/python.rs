@@ -9,5 +9,6 @@ fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("POLICIES", crate::eviction::registry::POLICY_NAMES.to_vec())?;
     crate::engine::py::register(m)?;
     crate::eviction::py::register(m)?;
+    crate::curves::py::register(m)?;
     Ok(())
 }

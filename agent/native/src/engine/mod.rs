@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
+use crate::curves::Curves;
 use crate::eviction::EvictionQueue;
 use log::{Counters, EventLog, GhostList};
 use pool::{TierLayout, TierPool};
@@ -164,10 +165,11 @@ pub struct HandleData {
     pub first_block: Vec<usize>,
 }
 
-/// Keys the miss-ratio curve and the policy curve sample (`mrc.py`, `miniature.py`).
+/// Keys sampled for curves fed from Python (`mrc.py`, `miniature.py` objects the agent
+/// assigned in place of the engine's own): none collected while a mask is None.
 #[derive(Default)]
 pub struct Accesses {
-    pub mrc_mask: u64,
+    pub mrc_mask: Option<u64>,
     pub mini_mask: Option<u64>,
     pub count: u64,
     pub mrc_keys: Vec<i64>,
@@ -196,6 +198,8 @@ pub struct Engine {
     pub events: EventLog,
     pub ghost: GhostList,
     pub accesses: Accesses,
+    /// The curves the engine feeds itself (`curves/`).
+    pub curves: Curves,
     pub(crate) copies: Vec<CopyOp>,
 }
 
@@ -239,6 +243,7 @@ impl Engine {
             events: EventLog::new(cfg.event_buffer_max_size),
             ghost: GhostList::new(ghost_capacity),
             accesses: Accesses::default(),
+            curves: Curves::default(),
             copies: Vec::new(),
             cfg,
         };
@@ -377,6 +382,7 @@ impl Engine {
             + self.ghost.memory_bytes()
             + self.events.memory_bytes()
             + self.roots.capacity() * 13
+            + self.curves.memory_bytes()
     }
 
     /// `memory_bytes` by part.
@@ -389,6 +395,7 @@ impl Engine {
         ));
         out.push(("ghost", self.ghost.memory_bytes()));
         out.push(("events", self.events.memory_bytes()));
+        out.push(("curves", self.curves.memory_bytes()));
         out
     }
 
@@ -408,14 +415,23 @@ impl Engine {
         (position as u64 + 1).saturating_sub(window) as usize / self.tpb
     }
 
-    /// Keys sampled for the miss-ratio curve and the policy curve: an access to each node.
+    /// An access to each node, for the miss-ratio curve and the policy curve: the engine's
+    /// own curves are fed here, and keys are sampled for curves fed from Python.
     pub(crate) fn record_accesses(&mut self, nodes: &[u32]) {
+        let store = &self.store;
+        self.curves
+            .access(nodes.iter().map(|&n| store.nodes[n as usize].key));
         let acc = &mut self.accesses;
+        if acc.mrc_mask.is_none() && acc.mini_mask.is_none() {
+            return;
+        }
         acc.count += nodes.len() as u64;
         for &n in nodes {
             let key = self.store.nodes[n as usize].key;
-            if (key as u64) & acc.mrc_mask == 0 {
-                acc.mrc_keys.push(key);
+            if let Some(mask) = acc.mrc_mask {
+                if (key as u64) & mask == 0 {
+                    acc.mrc_keys.push(key);
+                }
             }
             if let Some(mask) = acc.mini_mask {
                 if (key as u64) & mask == 0 {

@@ -96,7 +96,7 @@ fn layout(d: &Bound<'_, PyDict>) -> PyResult<TierLayout> {
 
 #[pyclass(name = "Engine", module = "kvpool_native")]
 pub struct PyEngine {
-    inner: Engine,
+    pub(crate) inner: Engine,
 }
 
 #[pymethods]
@@ -426,10 +426,11 @@ impl PyEngine {
         self.inner.usage()
     }
 
-    /// Which accessed keys to keep for the miss-ratio curve and the policy curve (a key is
-    /// kept when `key & mask == 0`; no mask: no policy curve).
-    #[pyo3(signature = (mrc_mask, mini_mask=None))]
-    fn set_sampling(&mut self, mrc_mask: u64, mini_mask: Option<u64>) {
+    /// Which accessed keys to keep for a miss-ratio curve and a policy curve fed from Python
+    /// (a key is kept when `key & mask == 0`; no mask: none kept for that curve). The
+    /// engine's own curves (`kvpool_native.MissRatioCurve.attach`) need none.
+    #[pyo3(signature = (mrc_mask=None, mini_mask=None))]
+    fn set_sampling(&mut self, mrc_mask: Option<u64>, mini_mask: Option<u64>) {
         self.inner.accesses.mrc_mask = mrc_mask;
         self.inner.accesses.mini_mask = mini_mask;
     }
