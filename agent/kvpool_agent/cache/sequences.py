@@ -89,6 +89,11 @@ def check_tokens(tokens: Sequence[int]) -> list[int]:
     return check_and_pack(tokens)[0]
 
 
+try:
+    from kvpool_native import pack_tokens as _fast_pack
+except ImportError:  # the compiled core is optional
+    _fast_pack = None
+
 TOKEN_LIMIT = 1 << 63
 """Token ids are below 2**63, as the HTTP API and snapshots take them (and as the compiled
 core keeps them, in 64 bits)."""
@@ -96,6 +101,12 @@ core keeps them, in 64 bits)."""
 
 def check_and_pack(tokens: Sequence[int]) -> tuple[list[int], bytes | None]:
     """The validated tokens, and them packed (``pack_all``) when every one fits."""
+    if _fast_pack is not None:
+        # The compiled core's one pass over exact ints in [0, 2**32): the common case. It
+        # gives pack_all's bytes or None, and None leaves everything to the checks below.
+        packed = _fast_pack(tokens)
+        if packed is not None and packed:
+            return list(tokens), packed
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (list, tuple, range)):
         raise InvalidTokensError(f"tokens must be a list of ints, got {type(tokens).__name__}")
     toks = list(tokens)

@@ -18,7 +18,34 @@ use super::{Engine, EngineConfig, EngineError, Retention, Settings};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
+    m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     Ok(())
+}
+
+/// The packed `uint32` bytes of a list or tuple of token ids, when every one is an `int`
+/// (exactly: no bool, no int subclass) in `[0, 2**32)`; None otherwise, and the caller
+/// validates the slow way (`sequences.check_and_pack`, which says what is wrong).
+#[pyfunction]
+fn pack_tokens<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> Option<Bound<'py, PyBytes>> {
+    fn pack<'py>(items: impl ExactSizeIterator<Item = Bound<'py, PyAny>>) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(items.len() * 4);
+        for item in items {
+            if !item.is_exact_instance_of::<pyo3::types::PyInt>() {
+                return None;
+            }
+            let value: u32 = item.extract().ok()?;
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+        Some(out)
+    }
+    let out = if let Ok(list) = tokens.cast_exact::<PyList>() {
+        pack(list.iter())?
+    } else if let Ok(tuple) = tokens.cast_exact::<PyTuple>() {
+        pack(tuple.iter())?
+    } else {
+        return None;
+    };
+    Some(PyBytes::new(py, &out))
 }
 
 fn raise(py: Python<'_>, err: EngineError) -> PyErr {
