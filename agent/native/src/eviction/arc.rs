@@ -178,12 +178,22 @@ impl ArcQueue {
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.heaps[0].memory_bytes()
-            + self.heaps[1].memory_bytes()
-            + map_bytes(&self.list_of)
-            + map_bytes(&self.queued)
-            + self.ghosts[0].memory_bytes()
-            + self.ghosts[1].memory_bytes()
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            (
+                "heaps",
+                self.heaps[0].memory_bytes() + self.heaps[1].memory_bytes(),
+            ),
+            ("list_of", map_bytes(&self.list_of)),
+            ("queued", map_bytes(&self.queued)),
+            (
+                "ghosts",
+                self.ghosts[0].memory_bytes() + self.ghosts[1].memory_bytes(),
+            ),
+        ]
     }
 
     /// `(p, |T1|, |T2|, |B1|, |B2|)` for the differential tests.

@@ -158,13 +158,23 @@ impl ShadowOrder for Expert {
     }
 
     fn memory_bytes(&self) -> usize {
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    fn memory_parts(&self) -> Vec<(&'static str, usize)> {
         match self {
-            Expert::Lru(q) => q.memory_bytes(),
-            Expert::ReuseGap(q) => std::mem::size_of::<ReuseGapQueue>() + q.memory_bytes(),
-            Expert::Lrfu(q) => std::mem::size_of::<LrfuQueue>() + q.memory_bytes(),
-            Expert::Arc(q) => std::mem::size_of::<ArcQueue>() + q.memory_bytes(),
+            Expert::Lru(q) => q.memory_parts(),
+            Expert::ReuseGap(q) => boxed::<ReuseGapQueue>(q.memory_parts()),
+            Expert::Lrfu(q) => boxed::<LrfuQueue>(q.memory_parts()),
+            Expert::Arc(q) => boxed::<ArcQueue>(q.memory_parts()),
         }
     }
+}
+
+/// A boxed order's parts, the box counted as `"box"`.
+fn boxed<T>(mut parts: Vec<(&'static str, usize)>) -> Vec<(&'static str, usize)> {
+    parts.push(("box", std::mem::size_of::<T>()));
+    parts
 }
 
 #[cfg(test)]

@@ -132,7 +132,14 @@ impl LrfuQueue {
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.heap.memory_bytes() + self.history.memory_bytes()
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("heap", self.heap.memory_bytes()),
+            ("history", self.history.memory_bytes()),
+        ]
     }
 
     /// `C` and tick remembered for `key` (for the differential tests).

@@ -319,23 +319,40 @@ impl MixturePolicy {
 
     /// Heap bytes owned: the shadows, their orders, and the level queues.
     pub fn memory_bytes(&self) -> usize {
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    /// `memory_bytes` by part: each shadow's (`"<expert>.<part>"`), then the mixture's own.
+    pub fn memory_parts(&self) -> Vec<(String, usize)> {
         use std::mem::size_of;
-        self.shadows
-            .iter()
-            .map(|s| size_of::<ShadowCache<Expert>>() + s.memory_bytes())
-            .sum::<usize>()
-            + self.scores.capacity() * 8
-            + self.hits.capacity() * size_of::<usize>()
-            + self.kinds.capacity() * size_of::<ExpertKind>()
-            + self.dirty.memory_bytes()
-            + self.where_.memory_bytes()
-            + self.levels.capacity() * size_of::<Option<MixQueue>>()
-            + self
-                .levels
+        let mut parts = Vec::new();
+        for (kind, shadow) in self.kinds.iter().zip(&self.shadows) {
+            parts.push((
+                format!("{}.struct", kind.name()),
+                size_of::<ShadowCache<Expert>>(),
+            ));
+            for (part, bytes) in shadow.memory_parts() {
+                parts.push((format!("{}.{part}", kind.name()), bytes));
+            }
+        }
+        parts.push((
+            "mixture.fixed".into(),
+            self.scores.capacity() * 8
+                + self.hits.capacity() * size_of::<usize>()
+                + self.kinds.capacity() * size_of::<ExpertKind>()
+                + self.levels.capacity() * size_of::<Option<MixQueue>>(),
+        ));
+        parts.push(("mixture.dirty".into(), self.dirty.memory_bytes()));
+        parts.push(("mixture.where".into(), self.where_.memory_bytes()));
+        parts.push((
+            "mixture.levels".into(),
+            self.levels
                 .iter()
                 .flatten()
                 .map(MixQueue::memory_bytes)
-                .sum::<usize>()
+                .sum::<usize>(),
+        ));
+        parts
     }
 }
 

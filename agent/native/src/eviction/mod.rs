@@ -40,6 +40,8 @@ pub mod heap;
 pub mod keyed;
 pub mod lrfu;
 pub mod lru;
+#[cfg(test)]
+mod membench;
 pub mod mixture;
 pub mod ordered;
 pub mod pyset;

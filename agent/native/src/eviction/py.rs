@@ -131,6 +131,11 @@ impl ShadowTwin {
         self.cache.memory_bytes()
     }
 
+    /// `memory_bytes` by part (nodes, index, path, then the order's parts).
+    fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        self.cache.memory_parts()
+    }
+
     /// Slots of evicted nodes still held by the order.
     fn held_dead(&self) -> usize {
         self.cache.nodes().held_dead()
@@ -239,6 +244,11 @@ impl MixtureTwin {
 
     fn memory_bytes(&self) -> usize {
         self.policy.memory_bytes()
+    }
+
+    /// `memory_bytes` by part (`"<expert>.<part>"`, then the mixture's own).
+    fn memory_parts(&self) -> Vec<(String, usize)> {
+        self.policy.memory_parts()
     }
 }
 
@@ -485,6 +495,11 @@ impl EvictionQueueTwin {
 
     fn memory_bytes(&self) -> usize {
         self.queue.memory_bytes()
+    }
+
+    /// `memory_bytes` by part (a mixture's by shadow and part).
+    fn memory_parts(&self) -> Vec<(String, usize)> {
+        self.queue.memory_parts()
     }
 }
 

@@ -309,11 +309,19 @@ impl ReuseGapQueue {
 
     /// Heap bytes owned.
     pub fn memory_bytes(&self) -> usize {
-        self.by_overdue.memory_bytes()
-            + self.by_rate.memory_bytes()
-            + map_bytes(&self.estimates)
-            + map_bytes(&self.head_of)
-            + self.chains.memory_bytes()
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            (
+                "heaps",
+                self.by_overdue.memory_bytes() + self.by_rate.memory_bytes(),
+            ),
+            ("estimates", map_bytes(&self.estimates)),
+            ("head_of", map_bytes(&self.head_of)),
+            ("chains", self.chains.memory_bytes()),
+        ]
     }
 
     /// Internal figures for the differential tests: `(fresh_gap, new_heads, reused_heads,

@@ -217,6 +217,10 @@ pub trait ShadowOrder {
     /// A use of `key` at tick `last_used` (`AccessObserver.on_access`).
     fn on_access(&mut self, _key: i64, _last_used: u64) {}
     fn memory_bytes(&self) -> usize;
+    /// `memory_bytes` by part.
+    fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![("order", self.memory_bytes())]
+    }
 }
 
 /// `capacity` keys under the order `Q`; `step` replays one request.
@@ -381,6 +385,18 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
             + self.cache.memory_bytes()
             + self.path.capacity() * 4
             + self.queue.memory_bytes()
+    }
+
+    /// `memory_bytes` by part: the node slab, the key index, the path buffer, then the
+    /// order's parts.
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        let mut parts = vec![
+            ("nodes", self.nodes.memory_bytes()),
+            ("index", self.cache.memory_bytes()),
+            ("path", self.path.capacity() * 4),
+        ];
+        parts.extend(self.queue.memory_parts());
+        parts
     }
 }
 
