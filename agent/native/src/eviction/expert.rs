@@ -75,7 +75,7 @@ impl Expert {
     }
 
     #[inline]
-    pub fn push<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+    pub fn push(&mut self, item: Item, recs: &mut ShadowNodes) {
         match self {
             Expert::Lru(q) => q.push(item, recs),
             Expert::ReuseGap(q) => q.push(item, recs),
@@ -85,7 +85,7 @@ impl Expert {
     }
 
     #[inline]
-    pub fn discard<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+    pub fn discard(&mut self, item: Item, recs: &mut ShadowNodes) {
         match self {
             Expert::Lru(q) => q.discard(item, recs),
             Expert::ReuseGap(q) => q.discard(item, recs),
@@ -95,7 +95,7 @@ impl Expert {
     }
 
     #[inline]
-    pub fn pop<R: Records + ?Sized>(&mut self, recs: &mut R) -> Option<Item> {
+    pub fn pop(&mut self, recs: &mut ShadowNodes) -> Option<Item> {
         match self {
             Expert::Lru(q) => q.pop(recs),
             Expert::ReuseGap(q) => q.pop(recs),
@@ -149,12 +149,17 @@ impl ShadowOrder for Expert {
     }
 
     #[inline]
-    fn on_access(&mut self, key: i64, last_used: u64) {
+    fn on_access(&mut self, node: Node, nodes: &mut ShadowNodes) {
         match self {
-            Expert::Lrfu(q) => q.on_access(key, last_used),
-            Expert::Arc(q) => q.on_access(key),
+            Expert::Lrfu(q) => q.on_access(nodes.key(node), nodes.last_used(node)),
+            Expert::Arc(q) => q.on_access(node, nodes),
             _ => {}
         }
+    }
+
+    #[inline]
+    fn holds_nodes(&self) -> bool {
+        matches!(self, Expert::ReuseGap(_))
     }
 
     fn memory_bytes(&self) -> usize {

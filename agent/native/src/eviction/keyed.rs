@@ -4,6 +4,13 @@
 //! buckets; this table stores only the 4-byte slot and reads the key back from the slab
 //! (`key_of`), which makes the big per-key maps (a shadow's cache, the bounded histories)
 //! about a third of the size.
+//!
+//! A table keeps the size it was reserved at. hashbrown leaves a tombstone where a removed
+//! entry sat in a run of full slots, and once tombstones have used up the room left, it
+//! doubles a table more than half full: a table at its reserved size whose keys keep
+//! changing (a shadow's cache, full, one key in and one out per block) would double for
+//! nothing. Here a table whose room went to tombstones is rebuilt at its reserved size
+//! instead.
 
 use std::hash::{BuildHasher, Hasher};
 
@@ -20,12 +27,24 @@ fn hash(key: i64) -> u64 {
 #[derive(Debug, Clone, Default)]
 pub struct KeyIndex {
     table: HashTable<u32>,
+    /// Entries the table was sized for: it is rebuilt, not grown, while it holds fewer.
+    reserved: usize,
 }
 
 impl KeyIndex {
     pub fn with_capacity(capacity: usize) -> Self {
         KeyIndex {
             table: HashTable::with_capacity(capacity),
+            reserved: capacity,
+        }
+    }
+
+    /// Size the table for `capacity` entries (it grows past them as needed).
+    pub fn reserve_to(&mut self, capacity: usize, key_of: impl Fn(u32) -> i64) {
+        if capacity > self.reserved {
+            self.reserved = capacity;
+            let more = capacity.saturating_sub(self.table.len());
+            self.table.reserve(more, |&s| hash(key_of(s)));
         }
     }
 
@@ -51,6 +70,15 @@ impl KeyIndex {
         let h = hash(key);
         if let Some(found) = self.table.find_mut(h, |&s| key_of(s) == key) {
             return Some(std::mem::replace(found, slot));
+        }
+        let len = self.table.len();
+        if len == self.table.capacity() && len < self.reserved {
+            // No room left, tombstones having taken it: rebuild the table at its size.
+            let old = std::mem::replace(&mut self.table, HashTable::with_capacity(self.reserved));
+            for s in old {
+                self.table
+                    .insert_unique(hash(key_of(s)), s, |_| unreachable!());
+            }
         }
         self.table.insert_unique(h, slot, |&s| hash(key_of(s)));
         None
