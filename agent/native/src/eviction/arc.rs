@@ -13,7 +13,7 @@
 
 use super::float::{py_max, py_min};
 use super::heap::{Entry, LazyHeap, Stamped};
-use super::ordered::OrderedMap;
+use super::ring::{Plain, RingMap};
 use super::shadow::ShadowNodes;
 use super::{Item, Node, Records};
 
@@ -54,7 +54,7 @@ pub struct ArcQueue {
     /// Keys per list (index 1 and 2).
     sizes: [i64; 3],
     /// B1 and B2, oldest first.
-    ghosts: [OrderedMap<()>; 2],
+    ghosts: [RingMap<Plain<()>>; 2],
     /// Queued leaves.
     live: usize,
     /// The heaps of T1 and T2.
@@ -69,8 +69,8 @@ impl ArcQueue {
             p: 0.0,
             sizes: [0; 3],
             ghosts: [
-                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
-                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
+                RingMap::with_limit(GHOST_FACTOR * capacity + 1),
+                RingMap::with_limit(GHOST_FACTOR * capacity + 1),
             ],
             live: 0,
             heaps: [LazyHeap::default(), LazyHeap::default()],
@@ -92,15 +92,14 @@ impl ArcQueue {
         }
         let key = nodes.key(node);
         let (b1, b2) = (self.ghosts[0].len(), self.ghosts[1].len());
-        let target = if self.ghosts[0].contains_key(key) {
+        // `key in b1` and `del b1[key]` in one look-up (the sizes are taken before).
+        let target = if self.ghosts[0].remove(key).is_some() {
             let step = py_max(b2 as f64 / b1.max(1) as f64, 1.0);
             self.p = py_min(self.capacity as f64, self.p + step);
-            self.ghosts[0].remove(key);
             2
-        } else if self.ghosts[1].contains_key(key) {
+        } else if self.ghosts[1].remove(key).is_some() {
             let step = py_max(b1 as f64 / b2.max(1) as f64, 1.0);
             self.p = py_max(0.0, self.p - step);
-            self.ghosts[1].remove(key);
             2
         } else {
             1

@@ -14,6 +14,10 @@ use super::{Item, Node, Records};
 pub struct Tuning {
     /// `history_floor` of reuse-gap (chains) and LRFU (keys); None: the Python defaults.
     pub history_floor: Option<usize>,
+    /// Ticks LRFU's history keeps as offsets ([`TickCrf::with_span`]); None: 32 bits.
+    ///
+    /// [`TickCrf::with_span`]: super::ring::TickCrf::with_span
+    pub tick_span: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,9 +70,10 @@ impl Expert {
             ExpertKind::ReuseGap => Expert::ReuseGap(Box::new(ReuseGapQueue::with_history_floor(
                 tuning.history_floor.unwrap_or(reuse_gap::HISTORY_FLOOR),
             ))),
-            ExpertKind::Lrfu => Expert::Lrfu(Box::new(LrfuQueue::with_history_floor(
+            ExpertKind::Lrfu => Expert::Lrfu(Box::new(LrfuQueue::tuned(
                 capacity,
                 tuning.history_floor.unwrap_or(lrfu::HISTORY_FLOOR),
+                tuning.tick_span,
             ))),
             ExpertKind::Arc => Expert::Arc(Box::new(ArcQueue::new(capacity))),
         }

@@ -48,6 +48,7 @@ pub mod pyset;
 pub mod queue;
 pub mod registry;
 pub mod reuse_gap;
+pub mod ring;
 pub mod shadow;
 pub mod toy;
 

@@ -15,7 +15,8 @@ use rustc_hash::FxHashMap;
 
 use super::float::py_max;
 use super::heap::{Entry, LazyHeap, Stamped};
-use super::ordered::{map_bytes, OrderedMap};
+use super::ordered::map_bytes;
+use super::ring::{Plain, RingMap};
 use super::{Item, Node, Records};
 
 /// `k`: how fast an overdue chain's expected next use recedes.
@@ -61,7 +62,7 @@ impl Stamped for GapEntry {
 }
 
 /// What a chain head's history says (`_Chain`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Chain {
     first: u64,
     last: u64,
@@ -85,7 +86,7 @@ pub struct ReuseGapQueue {
     estimates: FxHashMap<i64, Estimate>,
     /// Leaf key -> its chain's head (held).
     head_of: FxHashMap<i64, Node>,
-    chains: OrderedMap<Chain>,
+    chains: RingMap<Plain<Chain>>,
     now: u64,
     fresh_gap: f64,
     new_heads: u64,
@@ -113,7 +114,7 @@ impl ReuseGapQueue {
             seq: 0,
             estimates: FxHashMap::default(),
             head_of: FxHashMap::default(),
-            chains: OrderedMap::default(),
+            chains: RingMap::default(),
             now: 0,
             fresh_gap: 0.0,
             new_heads: 1,
