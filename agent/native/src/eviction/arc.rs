@@ -194,7 +194,11 @@ impl ArcQueue {
             ),
             (
                 "ghosts",
-                self.ghosts[0].memory_bytes() + self.ghosts[1].memory_bytes(),
+                self.ghosts[0].memory_parts()[0].1 + self.ghosts[1].memory_parts()[0].1,
+            ),
+            (
+                "ghosts.index",
+                self.ghosts[0].memory_parts()[2].1 + self.ghosts[1].memory_parts()[2].1,
             ),
         ]
     }

@@ -148,9 +148,12 @@ impl LrfuQueue {
     }
 
     pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        let [ring, values, index] = self.history.memory_parts();
         vec![
             ("heap", self.heap.memory_bytes()),
-            ("history", self.history.memory_bytes()),
+            ("history", ring.1),
+            ("history.values", values.1),
+            ("history.index", index.1),
         ]
     }
 
