@@ -126,6 +126,21 @@ impl KeyIndex {
     }
 }
 
+/// Heap bytes of a hash map: its buckets (key, value and one control byte each).
+pub fn map_bytes<K, V, S>(map: &std::collections::HashMap<K, V, S>) -> usize {
+    let cap = map.capacity();
+    if cap == 0 {
+        return 0;
+    }
+    // hashbrown keeps at most 7/8 of its (power of two) buckets full.
+    let buckets = if cap < 8 {
+        (cap + 1).next_power_of_two()
+    } else {
+        (cap * 8 / 7).next_power_of_two()
+    };
+    buckets * (std::mem::size_of::<(K, V)>() + 1) + 16
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

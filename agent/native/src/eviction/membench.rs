@@ -88,28 +88,3 @@ fn membench() {
         }
     }
 }
-
-#[test]
-#[ignore]
-fn index_growth() {
-    use crate::eviction::expert::{Expert, ExpertKind, Tuning};
-    use crate::eviction::shadow::ShadowCache;
-    let cap = 20000;
-    let mut s =
-        ShadowCache::new(cap, Expert::new(ExpertKind::Lru, cap, Tuning::default())).unwrap();
-    let mut x = 88172645463325252u64;
-    for r in 0..3125 {
-        let keys: Vec<i64> = (0..64)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 1) as i64
-            })
-            .collect();
-        s.step(&keys);
-        if r % 300 == 0 {
-            println!("{r} {:?}", s.memory_parts());
-        }
-    }
-}

@@ -43,7 +43,8 @@ pub mod lru;
 #[cfg(test)]
 mod membench;
 pub mod mixture;
-pub mod ordered;
+#[cfg(test)]
+mod ordered;
 pub mod pyset;
 pub mod queue;
 pub mod registry;

@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 
 use super::float::py_max;
 use super::heap::{Entry, LazyHeap, Stamped};
-use super::ordered::map_bytes;
+use super::keyed::map_bytes;
 use super::ring::{Plain, RingMap};
 use super::{Item, Node, Records};
 

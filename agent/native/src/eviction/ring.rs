@@ -1,9 +1,11 @@
 //! An i64-keyed map in insertion order, kept as a ring of entries: the big histories of the
 //! shadows' orders (LRFU's keys, ARC's ghosts, reuse-gap's chains).
 //!
-//! It has the order rules of Python's `dict` and `OrderedDict` that [`OrderedMap`] has
-//! (assigning to a present key keeps its place, a key removed and added again goes to the
-//! end, the oldest entry is popped first), for less memory: no links. Entries sit in a
+//! It has the order rules of Python's `dict` and `OrderedDict` (assigning to a present key
+//! keeps its place, a key removed and added again goes to the end, the oldest entry is
+//! popped first), on which the policies depend where they iterate or drop the oldest: LRFU's
+//! and ARC's bounded histories (`popitem(last=False)`), reuse-gap's `_forget` (a stable sort
+//! of the chains), the mixture's re-bucketing on a change of leader (`_where`). Entries sit in a
 //! circular array in order, the oldest at `head`; a removed entry leaves a hole (a bit in
 //! `dead`) until the head passes it or the ring is compacted, which copies the live entries
 //! in order into a new array and rewrites the index's slots. An entry costs its key, its
@@ -16,14 +18,13 @@
 //! eight copies (of an entry and of its index slot) per hole.
 //!
 //! Values live in a [`Payloads`] store: [`Plain`] keeps them as they are; LRFU's
-//! [`TickCrf`] keeps a tick in 32 bits and a `C` of exactly 1.0 in none.
-//!
-//! [`OrderedMap`]: super::ordered::OrderedMap
+//! [`TickCrf`] keeps a tick in 32 bits and a `C` of exactly 1.0 in none. (The tests check
+//! every order against a plain linked map, `ordered.rs`.)
 
 use rustc_hash::FxHashMap;
 
+use super::keyed::map_bytes;
 use super::keyed::KeyIndex;
-use super::ordered::map_bytes;
 
 /// Where a ring keeps its entries' values, by position.
 pub trait Payloads {
