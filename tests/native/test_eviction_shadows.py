@@ -114,3 +114,34 @@ def test_a_shadow_needs_a_block_and_caches_only_what_fits() -> None:
     assert twin.keys() == [1, 2] and twin.changed == [1, 2]
     with pytest.raises(ValueError, match="unknown expert"):
         kvpool_native.ShadowTwin("fifo", 2)
+
+
+@pytest.mark.parametrize("tick_span", [None, 16])
+def test_lrfu_history_is_the_same_to_the_bit(tick_span: int | None) -> None:
+    """LRFU's key history on a long stream that overflows it (a bound of 48 keys, hot keys
+    among 400): every remembered key's tick and ``C`` to the bit, in the same order. The
+    compiled history keeps a tick as an offset and a ``C`` of 1.0 as nothing; with a tick
+    span of 16 its tick base moves every few accesses and the ticks of keys kept longer are
+    kept whole, which must change nothing."""
+    rng = random.Random(tick_span or 0)
+    paths = []
+    for _ in range(3000):
+        hot = [rng.randrange(8) * 7 + 1 for _ in range(rng.randrange(3))]
+        cold = [1000 + rng.randrange(400) * 13 for _ in range(rng.randrange(1, 8))]
+        paths.append(hot + cold)  # path keys: a key's parent differs, as in real streams
+    paths = [[hash((tuple(p[:i]), k)) for i, k in enumerate(p)] for p in paths]
+    py = shadow("lrfu", 6, 8)
+    twin = kvpool_native.ShadowTwin("lrfu", 6, 8, tick_span)
+    history = py._queue._history  # type: ignore[attr-defined]
+    far = 0
+    for i, keys in enumerate(paths):
+        assert twin.step(keys) == py.step(keys), i
+        far = max(far, twin.lrfu_far())
+        if i % 100 == 0 or i == len(paths) - 1:
+            assert twin.lrfu_order() == list(history), i
+            for key, (tick, crf) in history.items():
+                got = twin.lrfu_history(key)
+                assert got is not None and got[0] == tick and bits([got[1]]) == bits([crf]), i
+    assert len(history) == 48
+    assert any(crf != 1.0 for _, crf in history.values())
+    assert far > 0 if tick_span else far == 0

@@ -6,13 +6,16 @@
 //! heap of the list its key was in when last looked at; `top` moves entries whose key has
 //! changed lists since. The key of a queued item is its node's (Python reads `block_id`,
 //! which is the key for a shadow node, the only record ARC orders).
-
-use rustc_hash::FxHashMap;
+//!
+//! ARC runs only in a shadow cache, whose nodes are its cached keys one to one: the list of
+//! a cached key (`_list_of`) is kept in its node ([`ShadowNodes::arc_list`]), and the queued
+//! leaves (`_queued`, whose values nothing reads) are counted.
 
 use super::float::{py_max, py_min};
 use super::heap::{Entry, LazyHeap, Stamped};
-use super::ordered::{map_bytes, OrderedMap};
-use super::{Item, Records};
+use super::ring::{Plain, RingMap};
+use super::shadow::ShadowNodes;
+use super::{Item, Node, Records};
 
 /// Each ghost list remembers up to this many times the capacity in evicted keys.
 pub const GHOST_FACTOR: usize = 4;
@@ -48,14 +51,12 @@ impl Stamped for ArcEntry {
 pub struct ArcQueue {
     capacity: usize,
     p: f64,
-    /// Cached key -> 1 (T1) or 2 (T2).
-    list_of: FxHashMap<i64, u8>,
     /// Keys per list (index 1 and 2).
     sizes: [i64; 3],
     /// B1 and B2, oldest first.
-    ghosts: [OrderedMap<()>; 2],
-    /// Queued leaf -> the list whose heap holds its current entry.
-    queued: FxHashMap<Item, u8>,
+    ghosts: [RingMap<Plain<()>>; 2],
+    /// Queued leaves.
+    live: usize,
     /// The heaps of T1 and T2.
     heaps: [LazyHeap<ArcEntry>; 2],
     order: u64,
@@ -66,86 +67,90 @@ impl ArcQueue {
         ArcQueue {
             capacity,
             p: 0.0,
-            list_of: FxHashMap::default(),
             sizes: [0; 3],
             ghosts: [
-                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
-                OrderedMap::with_limit(GHOST_FACTOR * capacity + 1),
+                RingMap::with_limit(GHOST_FACTOR * capacity + 1),
+                RingMap::with_limit(GHOST_FACTOR * capacity + 1),
             ],
-            queued: FxHashMap::default(),
+            live: 0,
             heaps: [LazyHeap::default(), LazyHeap::default()],
             order: 0,
         }
     }
 
-    pub fn on_access(&mut self, key: i64) {
-        match self.list_of.get(&key) {
-            Some(2) => return,
-            Some(1) => {
-                self.list_of.insert(key, 2);
+    /// A use of `node` (its key's list is kept in the node).
+    pub fn on_access(&mut self, node: Node, nodes: &mut ShadowNodes) {
+        match nodes.arc_list(node) {
+            2 => return,
+            1 => {
+                nodes.set_arc_list(node, 2);
                 self.sizes[1] -= 1;
                 self.sizes[2] += 1;
                 return;
             }
             _ => {}
         }
+        let key = nodes.key(node);
         let (b1, b2) = (self.ghosts[0].len(), self.ghosts[1].len());
-        let target = if self.ghosts[0].contains_key(key) {
+        // `key in b1` and `del b1[key]` in one look-up (the sizes are taken before).
+        let target = if self.ghosts[0].remove(key).is_some() {
             let step = py_max(b2 as f64 / b1.max(1) as f64, 1.0);
             self.p = py_min(self.capacity as f64, self.p + step);
-            self.ghosts[0].remove(key);
             2
-        } else if self.ghosts[1].contains_key(key) {
+        } else if self.ghosts[1].remove(key).is_some() {
             let step = py_max(b1 as f64 / b2.max(1) as f64, 1.0);
             self.p = py_max(0.0, self.p - step);
-            self.ghosts[1].remove(key);
             2
         } else {
             1
         };
-        self.list_of.insert(key, target);
+        nodes.set_arc_list(node, target);
         self.sizes[target as usize] += 1;
     }
 
-    pub fn push<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
-        let key = recs.key(recs.node(item));
-        let which = self.list_of.get(&key).copied().unwrap_or(1);
+    /// The list of a queued (so cached) item's key.
+    #[inline]
+    fn list_of(item: Item, nodes: &ShadowNodes) -> u8 {
+        nodes.arc_list(item).max(1)
+    }
+
+    pub fn push(&mut self, item: Item, nodes: &mut ShadowNodes) {
+        let which = Self::list_of(item, nodes);
         self.heaps[which as usize - 1].push(ArcEntry {
-            last_used: recs.last_used(item),
+            last_used: nodes.last_used(item),
             order: self.order,
-            stamp: recs.queue_stamp(item),
+            stamp: nodes.queue_stamp(item),
             item,
         });
         self.order += 1;
-        self.queued.insert(item, which);
+        self.live += 1;
     }
 
-    pub fn discard<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
-        self.queued.remove(&item);
-        let live = self.queued.len();
-        self.heaps[0].compact(live, Some(item), recs);
-        self.heaps[1].compact(live, Some(item), recs);
+    /// Stop ordering a queued `item`.
+    pub fn discard(&mut self, item: Item, nodes: &mut ShadowNodes) {
+        self.live -= 1;
+        let live = self.live;
+        self.heaps[0].compact(live, Some(item), nodes);
+        self.heaps[1].compact(live, Some(item), nodes);
     }
 
     /// The least recent current entry of list `which`, moving those whose key changed lists
     /// since to the other list's heap.
-    fn top<R: Records + ?Sized>(&mut self, which: u8, recs: &mut R) -> Option<ArcEntry> {
+    fn top(&mut self, which: u8, nodes: &ShadowNodes) -> Option<ArcEntry> {
         loop {
-            let entry = self.heaps[which as usize - 1].peek(recs)?;
-            let key = recs.key(recs.node(entry.item));
-            let actual = self.list_of.get(&key).copied().unwrap_or(1);
+            let entry = self.heaps[which as usize - 1].peek(nodes)?;
+            let actual = Self::list_of(entry.item, nodes);
             if actual == which {
                 return Some(entry);
             }
             self.heaps[which as usize - 1].pop_top();
-            self.queued.insert(entry.item, actual);
             self.heaps[actual as usize - 1].push(entry);
         }
     }
 
-    pub fn pop<R: Records + ?Sized>(&mut self, recs: &mut R) -> Option<Item> {
-        let first = self.top(1, recs);
-        let second = self.top(2, recs);
+    pub fn pop(&mut self, nodes: &mut ShadowNodes) -> Option<Item> {
+        let first = self.top(1, nodes);
+        let second = self.top(2, nodes);
         let (which, entry) = match (first, second) {
             (None, None) => return None,
             (Some(first), None) => (1u8, first),
@@ -155,9 +160,9 @@ impl ArcQueue {
         // Python pops the heap's top, the entry `top` returned.
         self.heaps[which as usize - 1].pop_top();
         let item = entry.item;
-        self.queued.remove(&item);
-        let key = recs.key(recs.node(item));
-        self.list_of.remove(&key);
+        self.live -= 1;
+        let key = nodes.key(item);
+        nodes.set_arc_list(item, 0); // the node leaves the cache
         self.sizes[which as usize] -= 1;
         let ghosts = &mut self.ghosts[which as usize - 1];
         ghosts.insert(key, ());
@@ -169,21 +174,33 @@ impl ArcQueue {
 
     #[inline]
     pub fn len(&self) -> usize {
-        self.queued.len()
+        self.live
     }
 
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.queued.is_empty()
+        self.live == 0
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.heaps[0].memory_bytes()
-            + self.heaps[1].memory_bytes()
-            + map_bytes(&self.list_of)
-            + map_bytes(&self.queued)
-            + self.ghosts[0].memory_bytes()
-            + self.ghosts[1].memory_bytes()
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            (
+                "heaps",
+                self.heaps[0].memory_bytes() + self.heaps[1].memory_bytes(),
+            ),
+            (
+                "ghosts",
+                self.ghosts[0].memory_parts()[0].1 + self.ghosts[1].memory_parts()[0].1,
+            ),
+            (
+                "ghosts.index",
+                self.ghosts[0].memory_parts()[2].1 + self.ghosts[1].memory_parts()[2].1,
+            ),
+        ]
     }
 
     /// `(p, |T1|, |T2|, |B1|, |B2|)` for the differential tests.

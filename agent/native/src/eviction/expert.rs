@@ -14,6 +14,10 @@ use super::{Item, Node, Records};
 pub struct Tuning {
     /// `history_floor` of reuse-gap (chains) and LRFU (keys); None: the Python defaults.
     pub history_floor: Option<usize>,
+    /// Ticks LRFU's history keeps as offsets ([`TickCrf::with_span`]); None: 32 bits.
+    ///
+    /// [`TickCrf::with_span`]: super::ring::TickCrf::with_span
+    pub tick_span: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,16 +70,17 @@ impl Expert {
             ExpertKind::ReuseGap => Expert::ReuseGap(Box::new(ReuseGapQueue::with_history_floor(
                 tuning.history_floor.unwrap_or(reuse_gap::HISTORY_FLOOR),
             ))),
-            ExpertKind::Lrfu => Expert::Lrfu(Box::new(LrfuQueue::with_history_floor(
+            ExpertKind::Lrfu => Expert::Lrfu(Box::new(LrfuQueue::tuned(
                 capacity,
                 tuning.history_floor.unwrap_or(lrfu::HISTORY_FLOOR),
+                tuning.tick_span,
             ))),
             ExpertKind::Arc => Expert::Arc(Box::new(ArcQueue::new(capacity))),
         }
     }
 
     #[inline]
-    pub fn push<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+    pub fn push(&mut self, item: Item, recs: &mut ShadowNodes) {
         match self {
             Expert::Lru(q) => q.push(item, recs),
             Expert::ReuseGap(q) => q.push(item, recs),
@@ -85,7 +90,7 @@ impl Expert {
     }
 
     #[inline]
-    pub fn discard<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
+    pub fn discard(&mut self, item: Item, recs: &mut ShadowNodes) {
         match self {
             Expert::Lru(q) => q.discard(item, recs),
             Expert::ReuseGap(q) => q.discard(item, recs),
@@ -95,7 +100,7 @@ impl Expert {
     }
 
     #[inline]
-    pub fn pop<R: Records + ?Sized>(&mut self, recs: &mut R) -> Option<Item> {
+    pub fn pop(&mut self, recs: &mut ShadowNodes) -> Option<Item> {
         match self {
             Expert::Lru(q) => q.pop(recs),
             Expert::ReuseGap(q) => q.pop(recs),
@@ -149,22 +154,37 @@ impl ShadowOrder for Expert {
     }
 
     #[inline]
-    fn on_access(&mut self, key: i64, last_used: u64) {
+    fn on_access(&mut self, node: Node, nodes: &mut ShadowNodes) {
         match self {
-            Expert::Lrfu(q) => q.on_access(key, last_used),
-            Expert::Arc(q) => q.on_access(key),
+            Expert::Lrfu(q) => q.on_access(nodes.key(node), nodes.last_used(node)),
+            Expert::Arc(q) => q.on_access(node, nodes),
             _ => {}
         }
     }
 
+    #[inline]
+    fn holds_nodes(&self) -> bool {
+        matches!(self, Expert::ReuseGap(_))
+    }
+
     fn memory_bytes(&self) -> usize {
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    fn memory_parts(&self) -> Vec<(&'static str, usize)> {
         match self {
-            Expert::Lru(q) => q.memory_bytes(),
-            Expert::ReuseGap(q) => std::mem::size_of::<ReuseGapQueue>() + q.memory_bytes(),
-            Expert::Lrfu(q) => std::mem::size_of::<LrfuQueue>() + q.memory_bytes(),
-            Expert::Arc(q) => std::mem::size_of::<ArcQueue>() + q.memory_bytes(),
+            Expert::Lru(q) => q.memory_parts(),
+            Expert::ReuseGap(q) => boxed::<ReuseGapQueue>(q.memory_parts()),
+            Expert::Lrfu(q) => boxed::<LrfuQueue>(q.memory_parts()),
+            Expert::Arc(q) => boxed::<ArcQueue>(q.memory_parts()),
         }
     }
+}
+
+/// A boxed order's parts, the box counted as `"box"`.
+fn boxed<T>(mut parts: Vec<(&'static str, usize)>) -> Vec<(&'static str, usize)> {
+    parts.push(("box", std::mem::size_of::<T>()));
+    parts
 }
 
 #[cfg(test)]

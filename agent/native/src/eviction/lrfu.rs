@@ -5,10 +5,14 @@
 //! goes first, ranked by `decay * used + log2 C(used)` so the key never goes stale. The
 //! history of keys (bounded, oldest dropped first) outlives their eviction. The key of a
 //! queued item is its node's (Python reads `block_id`, the key of a shadow node).
+//!
+//! The history is the biggest table of the default policy (eight keys per block of
+//! capacity): a [`RingMap`] whose ticks take 4 bytes and whose `C` takes none while it is
+//! exactly 1.0 ([`TickCrf`]).
 
 use super::float::{log2, pow};
 use super::heap::{Entry, LazyHeap, Stamped};
-use super::ordered::OrderedMap;
+use super::ring::{RingMap, TickCrf};
 use super::{Item, Records};
 
 /// `lambda`: the weight of one use halves every `1 / DECAY` accesses.
@@ -55,7 +59,7 @@ pub struct LrfuQueue {
     order: u64,
     capacity: usize,
     /// Key -> (tick of its last use, `C` at that tick).
-    history: OrderedMap<(u64, f64)>,
+    history: RingMap<TickCrf>,
     history_floor: usize,
 }
 
@@ -65,27 +69,35 @@ impl LrfuQueue {
     }
 
     pub fn with_history_floor(capacity: usize, history_floor: usize) -> Self {
+        Self::tuned(capacity, history_floor, None)
+    }
+
+    /// With the ticks of the history kept below `tick_span` (tests lower it to move the
+    /// history's tick base often: see [`TickCrf`]).
+    pub fn tuned(capacity: usize, history_floor: usize, tick_span: Option<u64>) -> Self {
         LrfuQueue {
             heap: LazyHeap::default(),
             live: 0,
             order: 0,
             capacity,
             // One past the bound: a new key is added before the oldest goes.
-            history: OrderedMap::with_limit(history_floor.max(HISTORY_FACTOR * capacity) + 1),
+            history: RingMap::with_values(
+                tick_span.map_or_else(TickCrf::new, TickCrf::with_span),
+                history_floor.max(HISTORY_FACTOR * capacity) + 1,
+            ),
             history_floor,
         }
     }
 
     /// A use of `key` at tick `now` (the shadow node's `last_used`).
     pub fn on_access(&mut self, key: i64, now: u64) {
-        let crf = match self.history.remove(key) {
-            None => 1.0,
+        self.history.move_to_back(key, |seen| match seen {
+            None => (now, 1.0),
             Some((then, crf)) => {
                 let age = (now as i64 - then as i64) as f64;
-                1.0 + crf * pow(2.0, -DECAY * age)
+                (now, 1.0 + crf * pow(2.0, -DECAY * age))
             }
-        };
-        self.history.insert(key, (now, crf));
+        });
         let bound = self.history_floor.max(HISTORY_FACTOR * self.capacity);
         if self.history.len() > bound {
             self.history.pop_front();
@@ -95,7 +107,7 @@ impl LrfuQueue {
     pub fn push<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
         let key = recs.key(recs.node(item));
         let last_used = recs.last_used(item);
-        let (used, crf) = self.history.get(key).copied().unwrap_or((last_used, 1.0));
+        let (used, crf) = self.history.get(key).unwrap_or((last_used, 1.0));
         // log2 C(now) = log2 C(used) - decay * (now - used): ranking by decay*used + log2 C
         // is the same at every "now".
         let value = DECAY * used as f64 + log2(crf);
@@ -132,15 +144,35 @@ impl LrfuQueue {
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.heap.memory_bytes() + self.history.memory_bytes()
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        let [ring, values, index] = self.history.memory_parts();
+        vec![
+            ("heap", self.heap.memory_bytes()),
+            ("history", ring.1),
+            ("history.values", values.1),
+            ("history.index", index.1),
+        ]
     }
 
     /// `C` and tick remembered for `key` (for the differential tests).
     pub fn history_of(&self, key: i64) -> Option<(u64, f64)> {
-        self.history.get(key).copied()
+        self.history.get(key)
     }
 
     pub fn history_len(&self) -> usize {
         self.history.len()
+    }
+
+    /// The history's keys, oldest first.
+    pub fn history_keys(&self) -> Vec<i64> {
+        self.history.iter().map(|(key, _)| key).collect()
+    }
+
+    /// Keys of the history whose tick is kept whole (see [`TickCrf`]).
+    pub fn history_far(&self) -> usize {
+        self.history.values().far_len()
     }
 }

@@ -85,4 +85,8 @@ impl LruQueue {
     pub fn memory_bytes(&self) -> usize {
         self.heap.memory_bytes()
     }
+
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![("heap", self.heap.memory_bytes())]
+    }
 }

@@ -15,8 +15,9 @@ use rustc_hash::FxHashMap;
 use super::expert::{Expert, ExpertKind, Tuning};
 use super::float::pow;
 use super::heap::{compact, heap_pop, heap_push, Entry};
-use super::ordered::{map_bytes, OrderedMap};
+use super::keyed::map_bytes;
 use super::pyset::PySet;
+use super::ring::{Plain, RingMap};
 use super::shadow::ShadowCache;
 use super::{Item, Records, MAX_PRIORITY};
 
@@ -125,7 +126,7 @@ pub struct MixturePolicy {
     decay: f64,
     dirty: PySet,
     /// Key of every queued block -> its level and the block.
-    where_: OrderedMap<(u8, Item)>,
+    where_: RingMap<Plain<(u8, Item)>>,
     levels: Vec<Option<MixQueue>>,
 }
 
@@ -165,7 +166,7 @@ impl MixturePolicy {
             next_leader: 0,
             decay: pow(0.5, 1.0 / (horizon * size as f64)),
             dirty: PySet::default(),
-            where_: OrderedMap::default(),
+            where_: RingMap::default(),
             levels: vec![None; MAX_PRIORITY as usize + 1],
         })
     }
@@ -211,7 +212,7 @@ impl MixturePolicy {
             self.switches += 1;
             self.dirty.clear();
             let leader = &self.shadows[self.leader];
-            for (key, &(level, item)) in self.where_.iter() {
+            for (key, (level, item)) in self.where_.iter() {
                 if let Some(queue) = self.levels[level as usize].as_mut() {
                     queue.rebucket(item, key, leader.contains(key), recs);
                 }
@@ -308,7 +309,7 @@ impl MixturePolicy {
         }
         let leader = &self.shadows[self.leader];
         for key in self.dirty.iter() {
-            if let Some(&(level, item)) = self.where_.get(key) {
+            if let Some((level, item)) = self.where_.get(key) {
                 if let Some(queue) = self.levels[level as usize].as_mut() {
                     queue.rebucket(item, key, leader.contains(key), recs);
                 }
@@ -319,31 +320,48 @@ impl MixturePolicy {
 
     /// Heap bytes owned: the shadows, their orders, and the level queues.
     pub fn memory_bytes(&self) -> usize {
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    /// `memory_bytes` by part: each shadow's (`"<expert>.<part>"`), then the mixture's own.
+    pub fn memory_parts(&self) -> Vec<(String, usize)> {
         use std::mem::size_of;
-        self.shadows
-            .iter()
-            .map(|s| size_of::<ShadowCache<Expert>>() + s.memory_bytes())
-            .sum::<usize>()
-            + self.scores.capacity() * 8
-            + self.hits.capacity() * size_of::<usize>()
-            + self.kinds.capacity() * size_of::<ExpertKind>()
-            + self.dirty.memory_bytes()
-            + self.where_.memory_bytes()
-            + self.levels.capacity() * size_of::<Option<MixQueue>>()
-            + self
-                .levels
+        let mut parts = Vec::new();
+        for (kind, shadow) in self.kinds.iter().zip(&self.shadows) {
+            parts.push((
+                format!("{}.struct", kind.name()),
+                size_of::<ShadowCache<Expert>>(),
+            ));
+            for (part, bytes) in shadow.memory_parts() {
+                parts.push((format!("{}.{part}", kind.name()), bytes));
+            }
+        }
+        parts.push((
+            "mixture.fixed".into(),
+            self.scores.capacity() * 8
+                + self.hits.capacity() * size_of::<usize>()
+                + self.kinds.capacity() * size_of::<ExpertKind>()
+                + self.levels.capacity() * size_of::<Option<MixQueue>>(),
+        ));
+        parts.push(("mixture.dirty".into(), self.dirty.memory_bytes()));
+        parts.push(("mixture.where".into(), self.where_.memory_bytes()));
+        parts.push((
+            "mixture.levels".into(),
+            self.levels
                 .iter()
                 .flatten()
                 .map(MixQueue::memory_bytes)
-                .sum::<usize>()
+                .sum::<usize>(),
+        ));
+        parts
     }
 }
 
 /// `MixturePolicy.untrack`: `item` left its queue (a newer block under the same key may
 /// have replaced it in `where_`).
 #[inline]
-fn untrack(where_: &mut OrderedMap<(u8, Item)>, key: i64, item: Item) {
-    if let Some(&(_, found)) = where_.get(key) {
+fn untrack(where_: &mut RingMap<Plain<(u8, Item)>>, key: i64, item: Item) {
+    if let Some((_, found)) = where_.get(key) {
         if found == item {
             where_.remove(key);
         }

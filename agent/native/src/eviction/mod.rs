@@ -40,12 +40,16 @@ pub mod heap;
 pub mod keyed;
 pub mod lrfu;
 pub mod lru;
+#[cfg(test)]
+mod membench;
 pub mod mixture;
-pub mod ordered;
+#[cfg(test)]
+mod ordered;
 pub mod pyset;
 pub mod queue;
 pub mod registry;
 pub mod reuse_gap;
+pub mod ring;
 pub mod shadow;
 pub mod toy;
 

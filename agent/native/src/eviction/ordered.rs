@@ -2,11 +2,12 @@
 //! `OrderedDict`: assigning to a present key keeps its place, a removed key that comes back
 //! goes to the end.
 //!
-//! The Python policies depend on that order where they iterate or drop the oldest: LRFU's
-//! and ARC's bounded histories (`popitem(last=False)`), reuse-gap's `_forget` (a stable sort
-//! of the chains), the mixture's re-bucketing on a change of leader (`_where`). Entries are
-//! a doubly linked list in a slab (freed slots reused), indexed by key with [`KeyIndex`]:
-//! every operation is O(1) and an entry costs its key, its value and two links.
+//! Entries are a doubly linked list in a slab (freed slots reused), indexed by key with
+//! [`KeyIndex`]: every operation is O(1) and an entry costs its key, its value and two
+//! links. The policies keep their ordered maps in [`RingMap`]s (no links), and this map is
+//! kept for the tests, as the plain reference a ring's order is checked against.
+//!
+//! [`RingMap`]: super::ring::RingMap
 
 use super::keyed::KeyIndex;
 
@@ -69,19 +70,8 @@ impl<V> OrderedMap<V> {
     }
 
     #[inline]
-    pub fn contains_key(&self, key: i64) -> bool {
-        self.find(key).is_some()
-    }
-
-    #[inline]
     pub fn get(&self, key: i64) -> Option<&V> {
         self.find(key).map(|s| &self.slots[s as usize].value)
-    }
-
-    #[inline]
-    pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
-        let at = self.find(key)?;
-        Some(&mut self.slots[at as usize].value)
     }
 
     /// `d[key] = value`: in place when present, else at the end.
@@ -195,13 +185,6 @@ impl<V> OrderedMap<V> {
             at = next;
         }
     }
-
-    /// Heap bytes owned.
-    pub fn memory_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Slot<V>>()
-            + self.free.capacity() * 4
-            + self.index.memory_bytes()
-    }
 }
 
 pub struct Iter<'a, V> {
@@ -221,21 +204,6 @@ impl<'a, V> Iterator for Iter<'a, V> {
         self.at = slot.next;
         Some((slot.key, &slot.value))
     }
-}
-
-/// Heap bytes of a hash map: its buckets (key, value and one control byte each).
-pub fn map_bytes<K, V, S>(map: &std::collections::HashMap<K, V, S>) -> usize {
-    let cap = map.capacity();
-    if cap == 0 {
-        return 0;
-    }
-    // hashbrown keeps at most 7/8 of its (power of two) buckets full.
-    let buckets = if cap < 8 {
-        (cap + 1).next_power_of_two()
-    } else {
-        (cap * 8 / 7).next_power_of_two()
-    };
-    buckets * (std::mem::size_of::<(K, V)>() + 1) + 16
 }
 
 #[cfg(test)]

@@ -33,7 +33,10 @@ fn value_error(message: String) -> PyErr {
 }
 
 fn tuning(history_floor: Option<usize>) -> Tuning {
-    Tuning { history_floor }
+    Tuning {
+        history_floor,
+        ..Tuning::default()
+    }
 }
 
 /// A mixture by variant name ("mixture": guarded, "mixture-v1": the original), with the
@@ -90,11 +93,25 @@ pub struct ShadowTwin {
 
 #[pymethods]
 impl ShadowTwin {
+    /// `tick_span`: LRFU's history keeps its ticks as offsets below it (lowered, the
+    /// history's tick base moves often and long-kept ticks are kept whole).
     #[new]
-    #[pyo3(signature = (policy, capacity, history_floor=None))]
-    fn new(policy: &str, capacity: usize, history_floor: Option<usize>) -> PyResult<Self> {
+    #[pyo3(signature = (policy, capacity, history_floor=None, tick_span=None))]
+    fn new(
+        policy: &str,
+        capacity: usize,
+        history_floor: Option<usize>,
+        tick_span: Option<u64>,
+    ) -> PyResult<Self> {
         let kind = ExpertKind::parse(policy).map_err(value_error)?;
-        let expert = Expert::new(kind, capacity, tuning(history_floor));
+        if tick_span.is_some_and(|s| !(2..=u32::MAX as u64).contains(&s)) {
+            return Err(value_error("tick_span: 2 to 2**32 - 1".into()));
+        }
+        let tuning = Tuning {
+            history_floor,
+            tick_span,
+        };
+        let expert = Expert::new(kind, capacity, tuning);
         let cache = ShadowCache::new(capacity, expert).map_err(value_error)?;
         Ok(ShadowTwin {
             cache,
@@ -129,6 +146,11 @@ impl ShadowTwin {
 
     fn memory_bytes(&self) -> usize {
         self.cache.memory_bytes()
+    }
+
+    /// `memory_bytes` by part (nodes, index, path, then the order's parts).
+    fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        self.cache.memory_parts()
     }
 
     /// Slots of evicted nodes still held by the order.
@@ -172,6 +194,23 @@ impl ShadowTwin {
         match self.cache.queue() {
             Expert::Lrfu(q) => q.history_of(key),
             _ => None,
+        }
+    }
+
+    /// Keys of LRFU's history whose tick is kept whole, not as an offset (0 for another
+    /// expert).
+    fn lrfu_far(&self) -> usize {
+        match self.cache.queue() {
+            Expert::Lrfu(q) => q.history_far(),
+            _ => 0,
+        }
+    }
+
+    /// LRFU's remembered keys, oldest first (empty for another expert).
+    fn lrfu_order(&self) -> Vec<i64> {
+        match self.cache.queue() {
+            Expert::Lrfu(q) => q.history_keys(),
+            _ => Vec::new(),
         }
     }
 }
@@ -239,6 +278,11 @@ impl MixtureTwin {
 
     fn memory_bytes(&self) -> usize {
         self.policy.memory_bytes()
+    }
+
+    /// `memory_bytes` by part (`"<expert>.<part>"`, then the mixture's own).
+    fn memory_parts(&self) -> Vec<(String, usize)> {
+        self.policy.memory_parts()
     }
 }
 
@@ -485,6 +529,11 @@ impl EvictionQueueTwin {
 
     fn memory_bytes(&self) -> usize {
         self.queue.memory_bytes()
+    }
+
+    /// `memory_bytes` by part (a mixture's by shadow and part).
+    fn memory_parts(&self) -> Vec<(String, usize)> {
+        self.queue.memory_parts()
     }
 }
 

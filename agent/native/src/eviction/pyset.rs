@@ -13,6 +13,9 @@
 use crate::pyhash::hash_int;
 
 const MIN_SIZE: usize = 8;
+/// Tables up to this many slots are kept by `clear` (CPython frees any table beyond the
+/// minimum; a small one is kept here so that a set cleared often does not reallocate).
+const KEPT_SLOTS: usize = 1024;
 const LINEAR_PROBES: usize = 9;
 const PERTURB_SHIFT: u32 = 5;
 
@@ -105,13 +108,17 @@ impl PySet {
         }
     }
 
-    /// `set.clear()`: back to the empty minimum table.
+    /// `set.clear()`: back to the empty minimum table, the memory of a large one freed.
     pub fn clear(&mut self) {
         if self.used == 0 && self.mask == MIN_SIZE - 1 {
             return;
         }
-        self.table.clear();
-        self.table.resize(MIN_SIZE, Slot::FREE);
+        if self.table.capacity() > KEPT_SLOTS {
+            self.table = vec![Slot::FREE; MIN_SIZE];
+        } else {
+            self.table.clear();
+            self.table.resize(MIN_SIZE, Slot::FREE);
+        }
         self.mask = MIN_SIZE - 1;
         self.fill = 0;
         self.used = 0;
@@ -185,5 +192,13 @@ mod tests {
         s.clear();
         assert!(s.is_empty());
         assert_eq!(s.iter().count(), 0);
+        for k in 0..10_000 {
+            s.add(k);
+        }
+        s.clear();
+        assert!(
+            s.memory_bytes() <= KEPT_SLOTS * 16,
+            "a cleared set frees its table"
+        );
     }
 }

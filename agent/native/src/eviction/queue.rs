@@ -250,6 +250,27 @@ impl EvictionQueue {
         }
     }
 
+    /// `memory_bytes` by part: a mixture's parts (`MixturePolicy::memory_parts`), or the
+    /// level queues as one; then `"expiry"`.
+    pub fn memory_parts(&self) -> Vec<(String, usize)> {
+        let mut parts = match &self.levels {
+            Levels::Mixture(m) => {
+                let mut parts = m.memory_parts();
+                parts.push((
+                    "mixture.struct".into(),
+                    std::mem::size_of::<MixturePolicy>(),
+                ));
+                parts
+            }
+            _ => vec![(
+                "levels".into(),
+                self.memory_bytes() - self.expiry.memory_bytes(),
+            )],
+        };
+        parts.push(("expiry".into(), self.expiry.memory_bytes()));
+        parts
+    }
+
     /// Heap bytes owned (every `Vec`'s and map's capacity), for the memory bench.
     pub fn memory_bytes(&self) -> usize {
         use std::mem::size_of;
@@ -415,5 +436,7 @@ mod tests {
         assert_eq!(queue.pop(0.0, &mut store), Some(items[1])); // key 2: lacking
         assert_eq!(queue.pop(0.0, &mut store), Some(items[0]));
         assert!(queue.memory_bytes() > 0);
+        let parts: usize = queue.memory_parts().iter().map(|(_, b)| b).sum();
+        assert_eq!(parts, queue.memory_bytes());
     }
 }

@@ -15,7 +15,8 @@ use rustc_hash::FxHashMap;
 
 use super::float::py_max;
 use super::heap::{Entry, LazyHeap, Stamped};
-use super::ordered::{map_bytes, OrderedMap};
+use super::keyed::map_bytes;
+use super::ring::{Plain, RingMap};
 use super::{Item, Node, Records};
 
 /// `k`: how fast an overdue chain's expected next use recedes.
@@ -61,7 +62,7 @@ impl Stamped for GapEntry {
 }
 
 /// What a chain head's history says (`_Chain`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Chain {
     first: u64,
     last: u64,
@@ -85,7 +86,7 @@ pub struct ReuseGapQueue {
     estimates: FxHashMap<i64, Estimate>,
     /// Leaf key -> its chain's head (held).
     head_of: FxHashMap<i64, Node>,
-    chains: OrderedMap<Chain>,
+    chains: RingMap<Plain<Chain>>,
     now: u64,
     fresh_gap: f64,
     new_heads: u64,
@@ -113,7 +114,7 @@ impl ReuseGapQueue {
             seq: 0,
             estimates: FxHashMap::default(),
             head_of: FxHashMap::default(),
-            chains: OrderedMap::default(),
+            chains: RingMap::default(),
             now: 0,
             fresh_gap: 0.0,
             new_heads: 1,
@@ -309,11 +310,19 @@ impl ReuseGapQueue {
 
     /// Heap bytes owned.
     pub fn memory_bytes(&self) -> usize {
-        self.by_overdue.memory_bytes()
-            + self.by_rate.memory_bytes()
-            + map_bytes(&self.estimates)
-            + map_bytes(&self.head_of)
-            + self.chains.memory_bytes()
+        self.memory_parts().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            (
+                "heaps",
+                self.by_overdue.memory_bytes() + self.by_rate.memory_bytes(),
+            ),
+            ("estimates", map_bytes(&self.estimates)),
+            ("head_of", map_bytes(&self.head_of)),
+            ("chains", self.chains.memory_bytes()),
+        ]
     }
 
     /// Internal figures for the differential tests: `(fresh_gap, new_heads, reused_heads,

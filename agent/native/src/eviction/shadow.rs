@@ -18,87 +18,124 @@ use super::{Item, Node, Records};
 pub const ROOT: Node = 0;
 const NO_PARENT: u32 = u32::MAX;
 
-/// One cached key: its tree links and its queue record.
+/// One cached key: its tree links and its queue record (36 bytes: packed to 4-byte
+/// alignment, the 64-bit fields read and written by value).
 #[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
 struct ShadowNode {
     key: i64,
     last_used: u64,
     queue_stamp: u64,
-    /// The slot's `queue_stamp` when this node was made (its Python stamp counts from it).
-    born: u64,
     parent: u32,
     children: u32,
-    /// Holds of the orders that remember it (`Records::hold`).
-    holds: u32,
     queue_level: i8,
-    pinned: bool,
-    /// In the tree; a dropped node stays while held, then its slot is reused.
-    alive: bool,
+    /// [`PINNED`], [`ALIVE`], and ARC's list in [`ARC_LIST`].
+    flags: u8,
 }
 
-/// The shadow's nodes: a slab of `ShadowNode`s with a free list.
+const PINNED: u8 = 1;
+/// In the tree; a dropped node stays while held, then its slot is reused.
+const ALIVE: u8 = 2;
+/// ARC's list of the node's key while cached (`ARCQueue._list_of`): 0 (none yet), 1 or 2.
+const ARC_LIST: u8 = 0b1100;
+const ARC_SHIFT: u32 = 2;
+
+/// What only an order that holds nodes (reuse-gap) needs of a slot: kept beside the slab,
+/// and only for such orders.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, packed(4))]
+struct Held {
+    /// The slot's `queue_stamp` when its node was made (its Python stamp counts from it).
+    born: u64,
+    /// Holds of the orders that remember it (`Records::hold`).
+    holds: u32,
+}
+
+/// The shadow's nodes: a slab of `ShadowNode`s with a free list, and the births and holds
+/// of its slots where the order holds nodes.
 #[derive(Debug, Clone)]
 pub struct ShadowNodes {
     nodes: Vec<ShadowNode>,
+    /// Parallel to `nodes` where the order holds nodes, else empty.
+    held: Vec<Held>,
+    holding: bool,
     free: Vec<u32>,
 }
 
 impl Default for ShadowNodes {
     fn default() -> Self {
-        Self::with_capacity(0)
+        Self::with_capacity(0, true)
     }
 }
 
 impl ShadowNodes {
-    /// Room for `capacity` nodes beside the root, allocated once.
-    pub fn with_capacity(capacity: usize) -> Self {
+    /// Room for `capacity` nodes beside the root, allocated once (it grows by an eighth at a
+    /// time where held nodes outlast the tree); `holding`: whether the order holds nodes
+    /// and reads their Python stamps ([`Records::hold`], [`Records::order_stamp`]).
+    pub fn with_capacity(capacity: usize, holding: bool) -> Self {
         let root = ShadowNode {
             key: 0,
             last_used: 0,
             queue_stamp: 0,
-            born: 0,
             parent: NO_PARENT,
             children: 0,
-            holds: 0,
             queue_level: -1,
-            pinned: false,
-            alive: true,
+            flags: ALIVE,
         };
         let mut nodes = Vec::with_capacity(capacity + 1);
         nodes.push(root);
+        let mut held = Vec::new();
+        if holding {
+            held.reserve_exact(capacity + 1);
+            held.push(Held::default());
+        }
         ShadowNodes {
             nodes,
+            held,
+            holding,
             free: Vec::new(),
         }
     }
 
     /// A new node `key` under `parent` (a reused slot keeps its stamp: stamps only grow).
     fn alloc(&mut self, key: i64, parent: Node) -> Node {
-        let fresh = ShadowNode {
+        let mut fresh = ShadowNode {
             key,
             last_used: 0,
             queue_stamp: 0,
-            born: 0,
             parent,
             children: 0,
-            holds: 0,
             queue_level: -1,
-            pinned: false,
-            alive: true,
+            flags: ALIVE,
         };
         match self.free.pop() {
             Some(at) => {
                 let slot = &mut self.nodes[at as usize];
-                *slot = ShadowNode {
-                    queue_stamp: slot.queue_stamp,
-                    born: slot.queue_stamp,
-                    ..fresh
-                };
+                let stamp = slot.queue_stamp;
+                fresh.queue_stamp = stamp;
+                *slot = fresh;
+                if self.holding {
+                    self.held[at as usize] = Held {
+                        born: stamp,
+                        holds: 0,
+                    };
+                }
                 at
             }
             None => {
+                let len = self.nodes.len();
+                if len == self.nodes.capacity() {
+                    let more = (len / 8).max(8);
+                    self.nodes.reserve_exact(more);
+                    if self.holding {
+                        self.held.reserve_exact(more);
+                    }
+                }
                 self.nodes.push(fresh);
-                (self.nodes.len() - 1) as Node
+                if self.holding {
+                    self.held.push(Held::default());
+                }
+                len as Node
             }
         }
     }
@@ -106,8 +143,8 @@ impl ShadowNodes {
     /// `node` left the tree: its slot is free unless an order holds it.
     fn drop_node(&mut self, node: Node) {
         let slot = &mut self.nodes[node as usize];
-        slot.alive = false;
-        if slot.holds == 0 {
+        slot.flags &= !ALIVE;
+        if !self.holding || self.held[node as usize].holds == 0 {
             self.free.push(node);
         }
     }
@@ -122,16 +159,41 @@ impl ShadowNodes {
         &mut self.nodes[node as usize]
     }
 
+    #[inline]
+    fn set_pinned(&mut self, node: Node, pinned: bool) {
+        let n = self.at_mut(node);
+        n.flags = if pinned {
+            n.flags | PINNED
+        } else {
+            n.flags & !PINNED
+        };
+    }
+
+    /// ARC's list of the key of `node` (0: none; the node is new to ARC).
+    #[inline]
+    pub fn arc_list(&self, node: Node) -> u8 {
+        (self.at(node).flags & ARC_LIST) >> ARC_SHIFT
+    }
+
+    #[inline]
+    pub fn set_arc_list(&mut self, node: Node, list: u8) {
+        let n = self.at_mut(node);
+        n.flags = (n.flags & !ARC_LIST) | (list << ARC_SHIFT);
+    }
+
     /// Slots held by an order after their node left the tree.
     pub fn held_dead(&self) -> usize {
         self.nodes
             .iter()
-            .filter(|n| !n.alive && n.holds > 0)
+            .zip(&self.held)
+            .filter(|(n, h)| n.flags & ALIVE == 0 && { h.holds } > 0)
             .count()
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.nodes.capacity() * std::mem::size_of::<ShadowNode>() + self.free.capacity() * 4
+        self.nodes.capacity() * std::mem::size_of::<ShadowNode>()
+            + self.held.capacity() * std::mem::size_of::<Held>()
+            + self.free.capacity() * 4
     }
 }
 
@@ -154,8 +216,11 @@ impl Records for ShadowNodes {
     }
     #[inline]
     fn order_stamp(&self, item: Item) -> u64 {
-        let n = self.at(item);
-        n.queue_stamp - n.born
+        assert!(
+            self.holding,
+            "a shadow that keeps no births has no Python stamps"
+        );
+        self.at(item).queue_stamp - self.held[item as usize].born
     }
     #[inline]
     fn priority(&self, _item: Item) -> u8 {
@@ -192,13 +257,17 @@ impl Records for ShadowNodes {
     }
     #[inline]
     fn hold(&mut self, node: Node) {
-        self.at_mut(node).holds += 1;
+        assert!(
+            self.holding,
+            "a shadow that keeps no holds was asked to hold"
+        );
+        self.held[node as usize].holds += 1;
     }
     #[inline]
     fn unhold(&mut self, node: Node) {
-        let slot = self.at_mut(node);
+        let slot = &mut self.held[node as usize];
         slot.holds -= 1;
-        if slot.holds == 0 && !slot.alive {
+        if slot.holds == 0 && self.nodes[node as usize].flags & ALIVE == 0 {
             self.free.push(node);
         }
     }
@@ -214,9 +283,18 @@ pub trait ShadowOrder {
     fn observes(&self) -> bool {
         false
     }
-    /// A use of `key` at tick `last_used` (`AccessObserver.on_access`).
-    fn on_access(&mut self, _key: i64, _last_used: u64) {}
+    /// A use of `node` (its key, at its `last_used` tick: `AccessObserver.on_access`).
+    fn on_access(&mut self, _node: Node, _nodes: &mut ShadowNodes) {}
+    /// Whether the order holds nodes and reads their Python stamps (the shadow then keeps
+    /// births and holds beside its nodes).
+    fn holds_nodes(&self) -> bool {
+        true
+    }
     fn memory_bytes(&self) -> usize;
+    /// `memory_bytes` by part.
+    fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        vec![("order", self.memory_bytes())]
+    }
 }
 
 /// `capacity` keys under the order `Q`; `step` replays one request.
@@ -238,10 +316,11 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
                 "a shadow cache needs at least one block, got {capacity}"
             ));
         }
+        let holding = queue.holds_nodes();
         Ok(ShadowCache {
             capacity,
             queue,
-            nodes: ShadowNodes::with_capacity(capacity),
+            nodes: ShadowNodes::with_capacity(capacity, holding),
             cache: KeyIndex::with_capacity(capacity),
             tick: 0,
             path: Vec::new(),
@@ -311,7 +390,7 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
         }
         let hits = path.len();
         for &node in &path {
-            self.nodes.at_mut(node).pinned = true;
+            self.nodes.set_pinned(node, true);
         }
         if let Some(&last) = path.last() {
             if self.nodes.at(last).queue_level >= 0 {
@@ -332,7 +411,7 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
             self.cache.remove(key, |n| nodes.at(n).key);
             let p = self.nodes.at_mut(parent);
             p.children -= 1;
-            let orphan = parent != ROOT && p.children == 0 && !p.pinned;
+            let orphan = parent != ROOT && p.children == 0 && p.flags & PINNED == 0;
             self.nodes.drop_node(victim);
             if orphan {
                 self.queue.enqueue(parent, &mut self.nodes);
@@ -343,11 +422,9 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
         let mut tick = self.tick;
         for &node in &path {
             tick += 1;
-            let n = self.nodes.at_mut(node);
-            n.last_used = tick;
+            self.nodes.at_mut(node).last_used = tick;
             if observes {
-                let key = n.key;
-                self.queue.on_access(key, tick);
+                self.queue.on_access(node, &mut self.nodes);
             }
         }
         let mut parent = path.last().copied().unwrap_or(ROOT);
@@ -356,7 +433,7 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
             tick += 1;
             self.nodes.at_mut(node).last_used = tick;
             if observes {
-                self.queue.on_access(key, tick);
+                self.queue.on_access(node, &mut self.nodes);
             }
             self.nodes.at_mut(parent).children += 1;
             let nodes = &self.nodes;
@@ -366,7 +443,7 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
         }
         self.tick = tick;
         for &node in &path {
-            self.nodes.at_mut(node).pinned = false;
+            self.nodes.set_pinned(node, false);
         }
         if parent != ROOT && self.nodes.at(parent).children == 0 {
             self.queue.enqueue(parent, &mut self.nodes);
@@ -381,6 +458,18 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
             + self.cache.memory_bytes()
             + self.path.capacity() * 4
             + self.queue.memory_bytes()
+    }
+
+    /// `memory_bytes` by part: the node slab, the key index, the path buffer, then the
+    /// order's parts.
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        let mut parts = vec![
+            ("nodes", self.nodes.memory_bytes()),
+            ("index", self.cache.memory_bytes()),
+            ("path", self.path.capacity() * 4),
+        ];
+        parts.extend(self.queue.memory_parts());
+        parts
     }
 }
 
