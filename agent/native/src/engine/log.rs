@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 
-use rustc_hash::FxHashMap;
+use crate::eviction::ring::{Plain, RingMap};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
@@ -131,26 +131,19 @@ pub struct Counters {
     pub sequences_opened: u64,
 }
 
-/// `GhostList`: keys of recently dropped blocks, bounded, oldest forgotten first.
-///
-/// An insertion-ordered set: a deque of keys, and each live key's position in it (counted
-/// from the first key ever added). A key added again moves to the end: its older entry is
-/// left behind, skipped when it reaches the front and compacted away.
+/// `GhostList`: keys of recently dropped blocks, bounded, oldest forgotten first: an
+/// insertion-ordered set (a key added again moves to the end), kept in a ring
+/// (`eviction::ring`: a key and a slot of the index per entry).
 pub struct GhostList {
     pub capacity: usize,
-    order: VecDeque<i64>,
-    /// Position (since the first add) of `order[0]`.
-    front: u64,
-    live: FxHashMap<i64, u64>,
+    keys: RingMap<Plain<()>>,
 }
 
 impl GhostList {
     pub fn new(capacity: usize) -> Self {
         GhostList {
             capacity,
-            order: VecDeque::new(),
-            front: 0,
-            live: FxHashMap::default(),
+            keys: RingMap::with_limit(capacity),
         }
     }
 
@@ -158,74 +151,36 @@ impl GhostList {
         if self.capacity == 0 {
             return;
         }
-        let at = self.front + self.order.len() as u64;
-        self.order.push_back(key);
-        self.live.insert(key, at);
-        if self.live.len() > self.capacity {
-            while let Some(k) = self.order.pop_front() {
-                let pos = self.front;
-                self.front += 1;
-                if self.live.get(&k) == Some(&pos) {
-                    self.live.remove(&k);
-                    break;
-                }
-            }
+        self.keys.move_to_back(key, |_| ());
+        if self.keys.len() > self.capacity {
+            self.keys.pop_front();
         }
-        self.compact();
     }
 
     pub fn discard(&mut self, key: i64) {
-        if self.live.remove(&key).is_some() {
-            self.compact();
-        }
+        self.keys.remove(key);
     }
 
     #[inline]
     pub fn contains(&self, key: i64) -> bool {
-        self.live.contains_key(&key)
+        self.keys.contains_key(key)
     }
 
     #[inline]
     pub fn len(&self) -> usize {
-        self.live.len()
+        self.keys.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.live.is_empty()
+        self.keys.is_empty()
     }
 
     /// The remembered keys, oldest first.
     pub fn keys(&self) -> Vec<i64> {
-        let front = self.front;
-        let live = &self.live;
-        self.order
-            .iter()
-            .enumerate()
-            .filter(|&(i, k)| live.get(k) == Some(&(front + i as u64)))
-            .map(|(_, &k)| k)
-            .collect()
-    }
-
-    /// Drop the entries left behind by keys added again or discarded, once they are as many
-    /// as the live ones (positions of live keys are kept, so only the front moves).
-    fn compact(&mut self) {
-        if self.order.len() <= 64 || self.order.len() <= 2 * self.live.len() {
-            return;
-        }
-        let front = self.front;
-        let live = &mut self.live;
-        let mut kept = VecDeque::with_capacity(live.len() * 2);
-        for (i, &k) in self.order.iter().enumerate() {
-            if live.get(&k) == Some(&(front + i as u64)) {
-                live.insert(k, kept.len() as u64);
-                kept.push_back(k);
-            }
-        }
-        self.order = kept;
-        self.front = 0;
+        self.keys.iter().map(|(k, ())| k).collect()
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.order.capacity() * 8 + self.live.capacity() * 17
+        self.keys.memory_bytes()
     }
 }
