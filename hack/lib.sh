@@ -10,6 +10,11 @@
 # kvpool::step NAME CMD...   run CMD, print its wall time, remember it for kvpool::timings
 # kvpool::timings    print every step's time
 
+# rustup installs cargo under ~/.cargo/bin, which a non-login shell may not have on PATH.
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
+
 kvpool_step_names=()
 kvpool_step_secs=()
 
@@ -29,6 +34,10 @@ kvpool::setup() {
 kvpool::native() {
   # pip builds a wheel of agent/native with maturin (from PyPI) and cargo (crates from
   # crates.io); the cached target dir makes a rebuild after a change incremental.
+  if ! command -v cargo >/dev/null 2>&1; then
+    echo "kvpool: the compiled core (agent/native) needs a Rust toolchain: https://rustup.rs" >&2
+    return 1
+  fi
   CARGO_TARGET_DIR="${KVPOOL_CACHE_DIR:-$HOME/.cache/kvpool}/native-target" \
     python -m pip install --quiet ./agent/native
 }
