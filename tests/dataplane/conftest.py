@@ -20,6 +20,8 @@ from agent.conftest import snapshot_state  # tests/agent (a package beside this 
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.credentials import token_digest
+from kvpool_agent.dataplane import server as server_module
+from kvpool_agent.dataplane import shm as shm_module
 from kvpool_agent.dataplane.client import TORCH_DTYPES, TransferClient
 from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.dataplane.protocol import (
@@ -122,6 +124,20 @@ class Agent:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+@pytest.fixture(params=["compiled", "python"])
+def data_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on both byte movers: the compiled ones (``kvpool_native.Receiver`` for a
+    PUT's receive, ``copy_spans`` for the same-node copies) and the Python fallbacks that
+    serve when the compiled core is not installed."""
+    if request.param == "compiled":
+        if server_module.Receiver is None or shm_module._copy_spans is None:
+            pytest.skip("the compiled core (kvpool_native) is not installed")
+    else:
+        monkeypatch.setattr(server_module, "Receiver", None)
+        monkeypatch.setattr(shm_module, "_copy_spans", None)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -46,6 +46,34 @@ def test_distinct_keys_get_distinct_blocks(keys: list[bytes]) -> None:
     assert len(blocks) == len(keys)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=40),
+    st.sampled_from([2, 4, 8, 16, 64]),
+)
+def test_chain_tokens_are_the_keys_blocks_in_order(keys: list[bytes], tpb: int) -> None:
+    want = [t for key in keys for t in block_tokens(key, tpb)]
+    assert chain_tokens(keys, tpb) == want  # computed
+    assert chain_tokens(keys, tpb) == want  # remembered
+    assert chain_tokens(keys[::-1], tpb) == [t for k in keys[::-1] for t in block_tokens(k, tpb)]
+
+
+def test_chain_tokens_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_agent.dataplane import keys as keys_module
+
+    monkeypatch.setattr(keys_module, "CACHE_KEYS", 16)
+    monkeypatch.setattr(keys_module, "_blocks", {})
+    for tag in range(20):
+        chain = keys_for(tag, 5)
+        want = [t for key in chain for t in block_tokens(key, 8)]
+        assert chain_tokens(chain, 8) == want
+        assert chain_tokens(chain, 8) == want
+        assert len(keys_module._blocks[8]) <= 16
+    long = keys_for(99, 40)  # longer than the cache: computed, partly remembered
+    assert chain_tokens(long, 8) == [t for key in long for t in block_tokens(key, 8)]
+    assert len(keys_module._blocks[8]) <= 16
+
+
 def test_namespace_and_key_rules() -> None:
     ns = KeyNamespace("llama", rank=3, layer_group=1).check()
     assert ns.salt() == "\x1fkeys\x1fllama\x1f3\x1f1"

@@ -38,7 +38,7 @@ from kvpool_agent.server.service import AgentService
 
 from .conftest import NS, TOKENS, Agent, Raw, agent_config, keys_for, random_kv, write_auth
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("data_path")]
 
 
 class ShmAgent(Agent):

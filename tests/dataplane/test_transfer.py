@@ -21,7 +21,7 @@ from kvpool_agent.server.metrics import AgentMetrics
 
 from .conftest import NS, PEER, TOKENS, Agent, Raw, agent_config, keys_for, random_kv
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("data_path")]
 
 
 def pinned(agent: Agent) -> int:

@@ -49,11 +49,13 @@ Mapping engines' block hashes onto keys:
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 MAX_KEY_BYTES = 64
 """Longest engine key (a SHA-512 fits; SHA-256 and 64-bit hashes are shorter)."""
@@ -118,23 +120,41 @@ def check_keys(keys: Sequence[bytes], max_keys: int) -> list[bytes]:
 
 def block_tokens(key: bytes, tokens_per_block: int) -> list[int]:
     """The synthetic tokens of one key's block (see the module docstring)."""
-    return list(_block_tokens(bytes(key), tokens_per_block))
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _block_tokens(key: bytes, tokens_per_block: int) -> tuple[int, ...]:
     words = min(tokens_per_block, DIGEST_WORDS)
-    digest = hashlib.blake2b(key, digest_size=8 * words, person=_PERSON).digest()
-    head = tuple(w >> 1 for w in struct.unpack(f"<{words}Q", digest))
-    return head + (FILLER_TOKEN,) * (tokens_per_block - words)
+    digest = hashlib.blake2b(bytes(key), digest_size=8 * words, person=_PERSON).digest()
+    head = [w >> 1 for w in struct.unpack(f"<{words}Q", digest)]
+    return head + [FILLER_TOKEN] * (tokens_per_block - words)
+
+
+CACHE_KEYS = 1 << 16
+"""Keys whose blocks ``chain_tokens`` remembers (per ``tokens_per_block``)."""
+_blocks: dict[int, dict[bytes, tuple[int, ...]]] = {}
 
 
 def chain_tokens(keys: Sequence[bytes], tokens_per_block: int) -> list[int]:
-    """The synthetic tokens of a chain: its blocks' tokens, first block first (the blocks of
-    recently seen keys come from a cache of 65,536 entries)."""
-    out: list[int] = []
-    for key in keys:
-        out.extend(_block_tokens(key, tokens_per_block))
+    """The synthetic tokens of a chain: its blocks' tokens, first block first (``block_tokens``
+    of each key). A chain whose keys were all seen lately comes from a cache of 65,536 keys;
+    any other is computed whole, one digest per key and the words in one array pass."""
+    cache = _blocks.get(tokens_per_block)
+    if cache is None:
+        cache = _blocks[tokens_per_block] = {}
+    try:
+        return list(itertools.chain.from_iterable([cache[k] for k in keys]))
+    except KeyError:
+        pass
+    n = len(keys)
+    words = min(tokens_per_block, DIGEST_WORDS)
+    blake2b = hashlib.blake2b
+    digests = b"".join([blake2b(k, digest_size=8 * words, person=_PERSON).digest() for k in keys])
+    table = np.zeros((n, tokens_per_block), dtype=np.uint64)
+    table[:, :words] = np.frombuffer(digests, dtype="<u8").reshape(n, words) >> np.uint64(1)
+    out: list[int] = table.ravel().tolist()
+    if len(cache) + n > CACHE_KEYS:  # keep the newer half
+        kept = list(cache.items())[len(cache) // 2 :] if n < CACHE_KEYS // 2 else []
+        cache.clear()
+        cache.update(kept)
+    for i, key in enumerate(keys[: CACHE_KEYS // 2]):
+        cache[key] = tuple(out[i * tokens_per_block : (i + 1) * tokens_per_block])
     return out
 
 

@@ -13,10 +13,13 @@ and out of pinned blocks happen outside the lock:
   its blocks pinned until then.
 - PUT: ``begin_store`` opens the chain's synthetic sequence under the lock (its new blocks are
   private and pinned: nobody else reads or writes them); the bytes are received straight into
-  those blocks (``recvmsg_into`` of the same slices); ``finish_store`` commits and releases
-  under the lock again. Bytes of blocks the cache already holds are drained, not written. A
-  connection that fails or times out mid-PUT aborts the store (released with discard:
-  nothing half-written enters the tree, nothing stays pinned).
+  those blocks; ``finish_store`` commits and releases under the lock again. Bytes of blocks
+  the cache already holds are drained, not written. The receive is the compiled core's
+  ``kvpool_native.Receiver`` (the slices' offsets as one array, ``readv`` into them, waiting on
+  the socket without the GIL), or, with a checksum to take or without the compiled core,
+  ``recvmsg_into`` of a memoryview per slice. A connection that fails or times out mid-PUT
+  aborts the store (released with discard: nothing half-written enters the tree, nothing
+  stays pinned).
 
 The sockets are used directly (non-blocking, woken by the loop's reader/writer callbacks)
 rather than through asyncio transports: a transport may keep a memoryview of the pool after
@@ -86,6 +89,11 @@ from kvpool_agent.server.service import (
     Store,
     engine_status,
 )
+
+try:
+    from kvpool_native import Receiver
+except ImportError:  # the compiled core is optional: the Python receive path then
+    Receiver = None
 
 log = logging.getLogger("kvpool.agent.transfer")
 
@@ -495,6 +503,22 @@ def _recv_blocking(
         cursor.advance(n, batch)
 
 
+def _receive_blocking(receiver: Any, fd: int, deadline: float, abort: threading.Event) -> None:
+    """Fill a compiled ``Receiver`` from a worker thread: it waits for the socket itself
+    (without the GIL), coming back every ``POLL_SLICE_S`` to see that the connection is still
+    open and the deadline not past."""
+    while not receiver.done:
+        if abort.is_set():
+            raise ConnectionClosed("the connection is closing")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        try:
+            receiver.recv(fd, min(left, POLL_SLICE_S))
+        except OSError as err:
+            raise ConnectionClosed(str(err)) from None
+
+
 def _spans(offsets: np.ndarray, size: int) -> list[tuple[int, int]]:
     """``(offset, length)`` runs of equal-size pieces at ``offsets`` (in order), adjacent
     pieces merged."""
@@ -723,6 +747,27 @@ class Connection:
             batch = cursor.batch()
             cursor.advance(await self._recv_into(batch), batch)
         return cursor.crc
+
+    async def receive(self, receiver: Any) -> None:
+        """Receive the next bytes of the stream into a compiled ``Receiver`` (its pieces in
+        order, drains dropped): what was read ahead first, then straight from the socket
+        (from a worker thread for ``THREAD_BYTES`` or more)."""
+        if self._r1 > self._r0 and not receiver.done:  # read ahead with the header
+            self._r0 += receiver.take(self._view[self._r0 : self._r1])
+        if receiver.done:
+            return
+        if receiver.total - receiver.received >= THREAD_BYTES:
+            deadline = time.monotonic() + self.config.body_timeout_s
+            await self._in_thread(_receive_blocking, receiver, self.fd, deadline, self._abort)
+            return
+        while True:
+            try:
+                receiver.recv(self.fd)
+            except OSError as err:
+                raise ConnectionClosed(str(err)) from None
+            if receiver.done:
+                return
+            await self._wait(write=False)
 
     # ------------------------------------------------------------- the connection
 
@@ -1231,6 +1276,9 @@ class Connection:
         n = store.total
         ids = store.block_ids
         plan: list[memoryview | int] = []
+        receiver = Receiver() if Receiver is not None and not checksum else None
+        """The compiled receive (no checksum to take): the pieces' offsets as arrays, filled by
+        ``readv`` without a Python object per piece; else ``plan``, memoryviews and drains."""
         staged: list[tuple[int, torch.Tensor]] = []
         skip = store.resident - first
         """Leading blocks of the data the cache held already: drained, not written."""
@@ -1241,6 +1289,13 @@ class Connection:
                 arena = server.arena
                 assert arena is not None
                 offsets = m.offsets(list(range(len(layout.layers))), ids[layout.index])
+                if receiver is not None:
+                    if not skip:
+                        receiver.add(arena, offsets.ravel(), size)
+                    for row in offsets if skip else ():
+                        receiver.drain(skip * size)
+                        receiver.add(arena, row, size)
+                    continue
                 rows = [offsets] if not skip else [row[None, :] for row in offsets]
                 for row in rows:
                     if skip:
@@ -1253,10 +1308,21 @@ class Connection:
                     dtype=view.dtype,
                     pin_memory=view.device.type == "cuda",
                 )
-                plan.append(tensor_bytes(host))
+                data = tensor_bytes(host)
+                if receiver is not None:
+                    receiver.add(data, np.zeros(1, dtype=np.int64), len(data))
+                else:
+                    plan.append(data)
                 staged.append((layout.index, host))
+        crc = 0
         async with asyncio.timeout(self.config.body_timeout_s):
-            crc = await self.read_plan(plan, checksum=checksum)
+            if receiver is not None:
+                try:
+                    await self.receive(receiver)
+                finally:
+                    receiver.close()
+            else:
+                crc = await self.read_plan(plan, checksum=checksum)
         svc.transfer.bytes_received += nbytes
         if staged:
             task = asyncio.ensure_future(asyncio.to_thread(_staged_write, svc, staged, ids, skip))

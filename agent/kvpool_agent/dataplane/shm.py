@@ -13,9 +13,11 @@ handle). Requests then carry block ids only:
         client.release(lease)             # ends the reads: the blocks may move again
     client.put(ns, keys, new_kv, first=n)  # PUT_SHM reserves, we copy in, COMMIT
 
-A read is one ``index_select`` per layer over a strided view of the mapping (the agent's own
-paged layout), block ids arriving as packed int32; a write is one slice copy per block (the
-faster of the two on CPU, see ``write``). The agent's blocks
+Block ids arrive as packed int32. On a CPU agent (a memfd) a read or a write is one compiled
+scatter/gather copy (``kvpool_native.copy_spans``: one piece per layer per block, between the
+mapping at the agent's paged layout and the caller's contiguous tensor, streaming stores past
+1 MiB, no GIL held); without the compiled core, and for a CUDA arena, torch copies do it (an
+``index_select`` per layer for a read, a slice copy per block for a write). The agent's blocks
 are only guaranteed for as long as the lease or reservation is held: a read must be done
 before RELEASE (or the lease's expiry), a write before COMMIT (or the reservation's expiry,
 after which the blocks may belong to someone else). A client is one connection; its calls
@@ -50,6 +52,11 @@ from kvpool_agent.dataplane.client import (
 from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, open_arena
 from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.dataplane.protocol import NOT_FOUND, Op, PoolLayout
+
+try:
+    from kvpool_native import copy_spans as _copy_spans
+except ImportError:  # the compiled core is optional: torch copies then
+    _copy_spans = None
 
 
 @dataclass(frozen=True)
@@ -100,8 +107,43 @@ def pool_views(
     return out
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where one pool's ``[layer, block]`` pieces are in the mapping (bytes)."""
+
+    base: int
+    layer_stride: int
+    block_stride: int
+    piece: int
+    """Bytes of one ``[layer, block]`` piece: ``2 * tokens_per_block * kv_heads * head_dim``
+    elements."""
+
+    def offsets(self, layers: Sequence[int], ids: np.ndarray) -> np.ndarray:
+        """Mapping offsets of the pieces of ``ids`` in each of ``layers``, layer-major."""
+        rows = np.asarray(layers, dtype=np.int64)[:, None] * self.layer_stride
+        return (self.base + rows + ids[None, :] * self.block_stride).ravel()
+
+
+def _contiguous(count: int, piece: int, rows: int, start: int = 0, total: int = 0) -> np.ndarray:
+    """Offsets of pieces ``start..start + count`` of each of ``rows`` rows of ``total`` pieces
+    (``count`` when 0) in a contiguous ``[rows, total, piece]`` buffer, row-major."""
+    total = total or count
+    cols = np.arange(start, start + count, dtype=np.int64)
+    return ((np.arange(rows, dtype=np.int64)[:, None] * total + cols[None, :]) * piece).ravel()
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes (writable, no copy)."""
+    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
 class ShmClient:
-    """One authenticated same-node connection and the agent's arena mapped beside it."""
+    """One authenticated same-node connection and the agent's arena mapped beside it.
+
+    ``copy_threads``: threads (the caller's included) that share one copy of 4 MiB or more
+    on a CPU arena; 1 (the default) copies on the calling thread only, which is the most a
+    busy node can count on."""
 
     def __init__(
         self,
@@ -111,8 +153,10 @@ class ShmClient:
         timeout: float = 60.0,
         connect_timeout: float = 10.0,
         cuda: bool = False,
+        copy_threads: int = 1,
     ) -> None:
         self.path = path
+        self.copy_threads = max(1, int(copy_threads))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(connect_timeout)
@@ -150,7 +194,21 @@ class ShmClient:
             for fd in fds:  # the mapping holds its own reference
                 os.close(fd)
         self.views = pool_views(arena, self._geometry.pools, reply["pools"])
+        self._placements = [
+            _Placement(
+                int(m["base"]),
+                int(m["layer_stride"]),
+                int(m["block_stride"]),
+                2 * p.tokens_per_block * p.kv_heads * p.head_dim * self.views[i].element_size(),
+            )
+            for i, (p, m) in enumerate(zip(self._geometry.pools, reply["pools"], strict=True))
+        ]
         return arena
+
+    @property
+    def _compiled(self) -> bool:
+        """Copies go through ``copy_spans`` (a memfd mapping, and the compiled core)."""
+        return _copy_spans is not None and self._mapping is not None
 
     def close(self) -> None:
         """Close the connection: the agent ends this client's reads and aborts its
@@ -244,6 +302,9 @@ class ShmClient:
             selected = p.selected(layers)
             if not selected or target is None:
                 continue
+            if self._compiled:
+                self._gather(p.index, selected, np.frombuffer(raw, dtype="<i4"), target)
+                continue
             # One gather per layer, of rows that are each one contiguous [layer, block] slice:
             # torch copies those row by row (a gather over the whole strided 6-d view takes an
             # element-wise path, measured ~100x slower).
@@ -258,6 +319,20 @@ class ShmClient:
                     target[i].copy_(view[layer].index_select(0, ids).view(target.shape[1:]))
         if self.arena.device.type == "cuda":
             torch.cuda.synchronize(self.arena.device)
+
+    def _gather(self, pool: int, layers: list[int], ids: np.ndarray, target: torch.Tensor) -> None:
+        """Blocks ``ids`` of the mapping, in ``layers``, into ``target`` (``[layers, blocks,
+        ...]``): one ``copy_spans`` of a piece per layer per block, through a host tensor when
+        ``target`` is not a contiguous CPU one."""
+        assert _copy_spans is not None and self._mapping is not None
+        place = self._placements[pool]
+        at = place.offsets(layers, ids.astype(np.int64))
+        to = _contiguous(len(ids), place.piece, len(layers))
+        direct = target.device.type == "cpu" and target.is_contiguous()
+        host = target if direct else torch.empty(target.shape, dtype=target.dtype)
+        _copy_spans(_host_bytes(host), to, self._mapping, at, place.piece, self.copy_threads)
+        if not direct:
+            target.copy_(host)
 
     # ------------------------------------------------------------- writes
 
@@ -302,6 +377,9 @@ class ShmClient:
                 raise ValueError(f"kv: pool {p.index} has no tensor")
             n = skip + len(ids)
             _check(tensor, geo.kv_shape(p.index, n), TORCH_DTYPES[p.dtype], f"kv[{p.index}]")
+            if self._compiled:
+                self._scatter(p.index, len(p.layers), ids.numpy(), tensor, skip)
+                continue
             view = self.views[p.index]
             src = (tensor[:, skip:] if skip else tensor).to(view.device)
             # A copy per block (all its layers at once): measured at memcpy speed, where
@@ -310,6 +388,18 @@ class ShmClient:
                 view[:, block].copy_(src[:, i])
         if self.arena.device.type == "cuda":
             torch.cuda.synchronize(self.arena.device)
+
+    def _scatter(
+        self, pool: int, layers: int, ids: np.ndarray, tensor: torch.Tensor, skip: int
+    ) -> None:
+        """``tensor``'s blocks ``skip..`` (every layer) into blocks ``ids`` of the mapping: one
+        ``copy_spans`` of a piece per layer per block."""
+        assert _copy_spans is not None and self._mapping is not None
+        place = self._placements[pool]
+        host = tensor.to("cpu", memory_format=torch.contiguous_format)
+        to = place.offsets(range(layers), ids.astype(np.int64))
+        at = _contiguous(len(ids), place.piece, layers, skip, skip + len(ids))
+        _copy_spans(self._mapping, to, _host_bytes(host), at, place.piece, self.copy_threads)
 
     def commit(self, reservation: Reservation) -> PutResult:
         """COMMIT: the written blocks enter the cache (as a TCP PUT's do)."""

@@ -10,5 +10,6 @@ fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::engine::py::register(m)?;
     crate::eviction::py::register(m)?;
     crate::curves::py::register(m)?;
+    crate::copy::py::register(m)?;
     Ok(())
 }
