@@ -5,7 +5,7 @@ time (a range that failed, came too late, a layer never taken) fails its request
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -53,7 +53,7 @@ def load(
     *,
     first: int = 0,
     timeout_s: float = 10.0,
-    on_chunk: object = None,
+    on_chunk: Callable[[int], object] | None = None,
     stats: ConnectorStats | None = None,
 ) -> LayerLoad:
     lease = client.lease(NS, keys, ttl_s=30)
@@ -68,7 +68,7 @@ def load(
         usable=lambda: True,
         timeout_s=timeout_s,
         stats=stats or ConnectorStats(),
-        on_chunk=on_chunk,  # type: ignore[arg-type]
+        on_chunk=on_chunk,
     )
 
 

@@ -89,7 +89,7 @@ class LayerLoad:
         usable: Callable[[], bool],
         timeout_s: float,
         stats: ConnectorStats,
-        on_chunk: Callable[[int], None] | None = None,
+        on_chunk: Callable[[int], object] | None = None,
     ) -> None:
         self.items = items
         self.layers = layers
