@@ -34,6 +34,7 @@ beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -92,6 +93,15 @@ def start_agent(tmp: Path, blocks: int) -> tuple[subprocess.Popen[bytes], str, s
             return proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{transfer}"
         except OSError:
             time.sleep(0.2)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds the process ``pid`` ran so far, all its threads (scheduler nanoseconds)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def _env() -> dict[str, str]:
@@ -241,7 +251,10 @@ def main() -> None:
                 for i, phase in enumerate(measured):
                     turn = i % len(engines)
                     for engine in engines[turn:] + engines[:turn]:
-                        results[engine.name].append(engine.phase(phase))
+                        before = cpu_s(agent.pid)
+                        record = engine.phase(phase)
+                        record["agent_cpu_s"] = cpu_s(agent.pid) - before
+                        results[engine.name].append(record)
                     bar.advance(steps)
             finally:
                 for engine in engines:
@@ -324,9 +337,21 @@ def summarize(
             )
             for name in WAITS
         }
+        # CPU time, which other load on the machine does not inflate the way it does wall
+        # time: the engine's own (its threads: the request, the copies, the sender's PUT),
+        # and the agent's while the engine ran the request (its lookups and stores).
+        cpu = [x["cpu_s"] / y["cpu_s"] for x, y in zip(b, b0, strict=True)]
+        total = [
+            (x["cpu_s"] + x["agent_cpu_s"]) / (y["cpu_s"] + y["agent_cpu_s"])
+            for x, y in zip(b, b0, strict=True)
+        ]
         misses.append(
             {
                 "tokens": n,
+                "engine_cpu_without_s": statistics.median(y["cpu_s"] for y in b0),
+                "engine_cpu_overhead": statistics.median(cpu) - 1,
+                "agent_cpu_s": statistics.median(x["agent_cpu_s"] for x in b),
+                "cpu_overhead": statistics.median(total) - 1,
                 "with_pool_s": t_pool,
                 "without_s": t_base,
                 "overhead": statistics.median(ratios) - 1,
@@ -408,46 +433,46 @@ def show(console: Console, rows: dict[str, Any]) -> None:
             + (f" / {1e3 * whole[i]['load_wait_s']:.1f}" if i < len(whole) else ""),
         )
     console.print(table)
-    miss = Table(title="A request the pool cannot help: connector overhead")
-    miss_columns = (
-        "prompt",
-        "median s, with / without",
-        "overhead (pairs)",
-        "quartiles",
-        "waited",
-        "lookup / load / copy",
-    )
-    for col in miss_columns:
-        miss.add_column(col, justify="right")
-    for m in rows["misses"]:
-        lo, hi = m["overhead_quartiles"]
-        miss.add_row(
-            str(m["tokens"]),
-            f"{m['with_pool_s']:.3f} / {m['without_s']:.3f}",
-            f"{m['overhead']:+.1%}",
-            f"{lo:+.1%} .. {hi:+.1%}",
-            f"{m['connector_wait_share']:.2%}",
-            " / ".join(f"{m.get('wait_shares', {}).get(name, 0):.2%}" for name in WAITS),
-        )
     console.print(
-        "waited: the time the engine spent in the connector (its lookup, loads, copies out), "
-        "from the connector's own counters, over the time without the connector"
+        "A request the pool cannot help: connector overhead (medians of pairs against B0). "
+        "waited: the engine's time in the connector (lookup / load / copy out), from its own "
+        "counters; CPU: the engine's CPU time, and with the agent's while it ran the request"
     )
-    console.print(miss)
     for title, found in (
-        ("The same, connector with save: false (lookups only)", rows.get("misses_lookup_only")),
+        ("save on (B)", rows["misses"]),
+        ("save: false, lookups only (Bl)", rows.get("misses_lookup_only")),
         (
-            "The same, connector with layerwise: false (as before it went layer by layer)",
+            "layerwise: false, as before it went layer by layer (Bs)",
             rows.get("not_layerwise", {}).get("misses"),
         ),
     ):
-        only = Table(title=title)
-        for col in ("prompt", "overhead (median of pairs)", "quartiles"):
-            only.add_column(col, justify="right")
-        for m in found or []:
+        if not found:
+            continue
+        miss = Table(title=title)
+        miss_columns = (
+            "prompt",
+            "s, with / without",
+            "overhead",
+            "quartiles",
+            "waited",
+            "CPU engine",
+            "CPU + agent",
+        )
+        for col in miss_columns:
+            miss.add_column(col, justify="right")
+        for m in found:
             lo, hi = m["overhead_quartiles"]
-            only.add_row(str(m["tokens"]), f"{m['overhead']:+.1%}", f"{lo:+.1%} .. {hi:+.1%}")
-        console.print(only)
+            shares = m.get("wait_shares", {})
+            miss.add_row(
+                str(m["tokens"]),
+                f"{m['with_pool_s']:.3f} / {m['without_s']:.3f}",
+                f"{m['overhead']:+.1%}",
+                f"{lo:+.1%} .. {hi:+.1%}",
+                " / ".join(f"{100 * shares.get(name, 0):.1f}" for name in WAITS) + " %",
+                f"{m['engine_cpu_overhead']:+.1%}" if "engine_cpu_overhead" in m else "",
+                f"{m['cpu_overhead']:+.1%}" if "cpu_overhead" in m else "",
+            )
+        console.print(miss)
 
 
 def plot(rows: dict[str, Any], path: Path) -> None:
