@@ -25,7 +25,9 @@ against a real ``kvpool agent`` on loopback:
 What the engine waited for the connector comes from its own counters (``lookup_s``,
 ``load_s``, ``copy_out_s``): for a hit, the wait for the load (``Bs``: the whole read before
 the forward pass; ``B``: starting it and each layer's range not yet landed when its
-attention asked for it).
+attention asked for it). For a request without a hit, the CPU time of the engine process
+(the request, its copies, the sender's PUT) and of the agent while it ran says what the
+connector took from the machine's cores, which its wall time on a shared machine hides.
 
 CPU figures of a 2-layer model: compare the ratios, not the seconds. Results: JSON and a plot
 beside it.
