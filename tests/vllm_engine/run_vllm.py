@@ -166,6 +166,13 @@ def phase_prompts(phase: dict[str, Any], earlier: dict[str, dict[str, Any]]) -> 
     ]
 
 
+def process_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_phase(
     llm: Any, spec: dict[str, Any], phase: dict[str, Any], earlier: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
@@ -188,6 +195,7 @@ def run_phase(
 
         FaultyConnector.configure(fault, phase.get("fault_args", {}))
     prompts = [{"prompt_token_ids": ids} for ids in phase_prompts(phase, earlier)]
+    cpu0 = process_cpu_s()
     t0 = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.monotonic() - t0
@@ -197,6 +205,9 @@ def run_phase(
         "name": phase["name"],
         "prompts": [p["prompt_token_ids"] for p in prompts],
         "elapsed_s": elapsed,
+        # This process's CPU time (every thread), the phase's saves included: what it took
+        # from a shared machine's cores, whatever else ran there meanwhile.
+        "cpu_s": process_cpu_s() - cpu0,
         "outputs": [
             {
                 "tokens": list(o.outputs[0].token_ids),

@@ -8,6 +8,10 @@ Engines, in order, all against one agent (two tenants, 64 blocks of capacity):
   between them: hits from the pool with the baseline's outputs; loaded KV corrupted (outputs
   change: the check can fail); the pool's blocks evicted between lookup and lease, the agent
   killed between lease and read, then the pool down: outputs equal the baseline every time.
+
+Loads and saves go layer by layer (the counters show vLLM's layer hooks at work); on a pool of
+its own, an engine's load cut between its first and second layer range is recomputed, while
+the same load with its second layer silently zeroed changes the outputs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ SHARED = 4 * BLOCK
 POOL_BLOCKS = 64
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers x K/V x tokens x kv heads x head dim x fp32
 LOGPROB_TOLERANCE = 1e-3
+LAYERS = 2
+"""The tiny model's layers: a load is read in 2 layer ranges (``load_layer_chunks`` 4)."""
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -172,6 +178,9 @@ def test_engines_share_kv_through_the_pool_and_a_failing_pool_costs_only_speed(
     assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
     assert store["worker_stats"]["save_errors"] == 0
     assert store["scheduler_stats"]["hit_blocks"] == 0  # the pool was empty
+    # Copied out layer by layer, from inside vLLM's attention layers.
+    assert store["worker_stats"]["layer_saves"] >= LAYERS
+    assert store["worker_stats"]["layer_saves"] % LAYERS == 0
 
     # C, another tenant, asks for the same prefixes: nothing of tenant a's is visible.
     c = run_engine(
@@ -229,6 +238,8 @@ def test_engines_share_kv_through_the_pool_and_a_failing_pool_costs_only_speed(
     assert loaded == hit["scheduler_stats"]["hit_blocks"] >= Q_HIT_TOKENS // BLOCK
     assert hit["worker_stats"]["load_error_blocks"] == 0
     assert same_outputs(hit["outputs"], want_q)
+    # Read in layer ranges (one GET per request and range), taken by vLLM layer by layer.
+    assert_layerwise_loads(hit)
     # The pool counted those hits (B's leases).
     assert hit["pool_hits_tokens"] - hits_before >= loaded * BLOCK
 
@@ -261,6 +272,85 @@ def test_engines_share_kv_through_the_pool_and_a_failing_pool_costs_only_speed(
     assert down["outputs"][0]["num_cached_tokens"] == 0
     assert down["worker_stats"]["loaded_blocks"] == killed["worker_stats"]["loaded_blocks"]
     assert same_outputs(down["outputs"], want_q)
+
+
+def assert_layerwise_loads(record: dict[str, Any]) -> None:
+    worker, scheduler = record["worker_stats"], record["scheduler_stats"]
+    assert worker["load_chunks"] == LAYERS * scheduler["leases"] > 0
+    assert worker["load_chunk_errors"] == 0
+    assert worker["layer_loads"] >= LAYERS
+    assert worker["layer_loads"] % LAYERS == 0
+    assert worker["layerwise_fallbacks"] == 0
+
+
+def test_a_load_cut_between_layers_is_recomputed(
+    vllm_python: Path,
+    model_dir: Path,
+    baseline: dict[str, Any],
+    tmp_path: Path,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """One engine stores P, then loads Q's prefix from the pool (vLLM's own cache reset before
+    each phase): layer by layer; with its second layer zeroed and nothing reported (outputs
+    change: the second layer's KV matters); with the agent killed once the first layer range
+    landed (the second fails: recomputed, outputs equal the baseline)."""
+    (tmp_path / "pool").mkdir()
+    own = start_pool(tmp_path / "pool", start_agent)
+    kill = {"replicas": [own.transfer], "pid": own.agent.proc.pid}
+    try:
+        run = run_engine(
+            vllm_python,
+            tmp_path,
+            "layers",
+            {
+                "model": str(model_dir),
+                "connector": connector(own),
+                "phases": [
+                    {"name": "store", "prompts": P, "fault": "none"},
+                    {"name": "hit", "prompts": Q, "reset": True},
+                    {"name": "drop", "prompts": Q, "fault": "drop-layer", "reset": True},
+                    {
+                        "name": "cut",
+                        "prompts": Q,
+                        "fault": "kill-mid",
+                        "fault_args": kill,
+                        "reset": True,
+                    },
+                ],
+            },
+            token=TOKENS["a"],
+        )
+    finally:
+        own.agent.stop()
+    want_q = phase(baseline, "q")["outputs"]
+    store, hit = phase(run, "store"), phase(run, "hit")
+    assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
+    assert store["worker_stats"]["layer_saves"] >= LAYERS
+    assert hit["worker_stats"]["loaded_blocks"] >= Q_HIT_TOKENS // BLOCK
+    assert_layerwise_loads(hit)
+    assert same_outputs(hit["outputs"], want_q)
+
+    # The second layer's loaded KV is read: zeroed, it changes the outputs.
+    drop = phase(run, "drop")
+    assert drop["worker_stats"]["loaded_blocks"] > hit["worker_stats"]["loaded_blocks"]
+    assert drop["worker_stats"]["load_error_blocks"] == 0
+    assert not same_outputs(drop["outputs"], want_q)
+
+    # Cut after the first range: it landed, the second failed, every loaded block is recomputed.
+    cut, before = phase(run, "cut"), drop
+
+    def grew(name: str, side: str = "worker_stats") -> int:
+        return int(cut[side][name] - before[side][name])
+
+    leases = grew("leases", "scheduler_stats")
+    assert leases > 0
+    assert grew("load_chunks") == leases  # the first range of each load, not the second
+    assert grew("load_chunk_errors") == leases
+    assert grew("loaded_blocks") == 0
+    assert grew("load_error_blocks") >= Q_HIT_TOKENS // BLOCK
+    assert cut["worker_stats"]["layerwise_fallbacks"] == 0
+    assert same_outputs(cut["outputs"], want_q)
+    assert own.agent.proc.wait(timeout=10) != 0
 
 
 def test_decode_blocks_are_saved_when_asked_and_a_next_turn_hits_them(

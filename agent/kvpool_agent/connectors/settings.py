@@ -98,6 +98,18 @@ class ConnectorSettings(BaseModel):
         "the answer hits them).",
     )
     load: bool = Field(default=True, description="Load prompt blocks the pool holds.")
+    layerwise: bool = Field(
+        default=True,
+        description="Load and save layer by layer during the forward pass (false: loads "
+        "complete before it starts).",
+    )
+    load_layer_chunks: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Layer ranges a load is read in (one GET each, in layer order): a layer's "
+        "attention waits only for its own range.",
+    )
     max_pending_saves: int = Field(
         default=64,
         ge=1,

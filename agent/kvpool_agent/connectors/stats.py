@@ -29,6 +29,17 @@ class ConnectorStats:
     loaded_blocks: int = 0
     load_error_blocks: int = 0
     """Blocks reported to the engine as failed to load (it recomputes them)."""
+    load_chunks: int = 0
+    """Layer-range reads (GETs of one request's blocks, some layers) that landed."""
+    load_chunk_errors: int = 0
+    """Layer-range reads that failed (their request's load fails)."""
+    layer_loads: int = 0
+    """Layers whose loaded blocks went into the engine's pages when its attention asked."""
+    layer_saves: int = 0
+    """Layers whose blocks to save were copied out as the forward pass produced them."""
+    layerwise_fallbacks: int = 0
+    """Steps with loads in which the engine never asked for a layer: its loads failed, and
+    later loads complete before the forward pass."""
     saved_blocks: int = 0
     """Blocks the pool stored from this engine (written; blocks it held already not counted)."""
     save_requests: int = 0
@@ -38,7 +49,10 @@ class ConnectorStats:
     lookup_s: float = 0.0
     """Seconds the scheduler spent in lookups and leases (it waits for them)."""
     load_s: float = 0.0
-    """Seconds workers spent loading before forward passes (the engine waits for them)."""
+    """Seconds the engine waited for loads: starting them, waiting for a layer and copying
+    it into its pages, settling them at the end of the step."""
+    load_transfer_s: float = 0.0
+    """Seconds the load threads spent reading (in the background of the forward pass)."""
     copy_out_s: float = 0.0
     """Seconds workers spent copying blocks to save out of vLLM's pages (the engine waits)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -11,15 +11,23 @@ Scheduler side
   ``build_connector_meta`` tells the workers which pool blocks go into which vLLM blocks, and
   which vLLM blocks became full this step and go to the pool.
 
-Worker side
-  ``start_load_kv`` reads the leased blocks (GET, every layer at once) straight into vLLM's
-  pages before the forward pass and releases the lease; a block that could not be read (the
-  lease came back short because it was evicted meanwhile, or the agent failed) is reported by
-  ``get_block_ids_with_load_errors`` and vLLM recomputes it (``kv_load_failure_policy`` must be
-  ``recompute``: the connector refuses to start otherwise). ``wait_for_save`` copies the blocks
-  that became full out of vLLM's pages (one indexed copy per layer) and hands them to a sender
-  thread that PUTs them; vLLM may free or reuse its blocks at once (``request_finished``
-  never delays a free), so a save never holds up the engine beyond that copy.
+Worker side (layer by layer; ``layerwise.py``)
+  ``start_load_kv`` starts a thread that reads the leased blocks (GET) in a few layer ranges
+  (``load_layer_chunks``), in layer order, into host buffers, and returns; vLLM calls
+  ``wait_for_layer_load`` inside each attention layer before it reads that layer's pages
+  (``maybe_transfer_kv_layer`` wraps vLLM's attention op, the CPU backend's included), which
+  waits for the layer's range and copies its blocks into vLLM's pages in the engine's
+  own thread. A block that could not be read (the lease came back short because it was
+  evicted meanwhile, a range failed or came too late, the agent died) is reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it (``kv_load_failure_policy`` must
+  be ``recompute``: the connector refuses to start otherwise). If the layer hooks never ran
+  during a step with loads, those loads fail and later loads complete in ``start_load_kv``,
+  before the forward pass. ``save_kv_layer`` copies the layer's blocks that became full this
+  step out of vLLM's pages right after the layer's attention wrote them; ``wait_for_save``
+  copies any layer the hooks missed, waits for device copies, and hands the blocks to a
+  sender thread that PUTs them (every layer in one request). No page is read after
+  ``wait_for_save`` returns: vLLM may free or reuse its blocks at once (``request_finished``
+  never delays a free), and the earliest write to a reused block is in a later step.
 
 Keys are vLLM's own block hashes (``bytes(block_hash)``: they fold in the cache salt, LoRA
 and multimodal inputs), in the namespace (model, parallel rank, KV cache group). vLLM's
@@ -29,7 +37,6 @@ a pool must set the same value, or none of them ever hits the others' blocks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -46,7 +53,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpool_agent.connectors.settings import ConnectorConfigError, ConnectorSettings, Discovery
 from kvpool_agent.connectors.stats import ConnectorStats
-from kvpool_agent.connectors.vllm.layout import BlockLayout, LayoutError, gather, scatter
+from kvpool_agent.connectors.vllm.layerwise import (
+    LayerLoad,
+    LayerSave,
+    LoadItem,
+    SavePart,
+)
+from kvpool_agent.connectors.vllm.layout import BlockLayout
 from kvpool_agent.dataplane.client import (
     Geometry,
     Lease,
@@ -153,12 +166,17 @@ class KvpoolConnector(KVConnectorBase_V1):
         # worker side
         self._rank = 0
         self._views: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
         self._layout: BlockLayout | None = None
         self._checked_geometry = False
         self._load_errors: set[int] = set()
-        self._failed_loads: set[str] = set()
-        """Requests whose load failed this step: their saves of this step are dropped (the
-        step computed over blocks that were never loaded)."""
+        self._layerwise_loads = self.settings.layerwise
+        """False once a step with loads ran without vLLM's layer hooks: loads then complete
+        in ``start_load_kv``."""
+        self._loading: LayerLoad | None = None
+        self._saving: LayerSave | None = None
+        self._hooks_ran = False
+        """A layer hook ran since this step's metadata was bound (the forward pass began)."""
         self._saves: queue.Queue[tuple[KeyNamespace, list[bytes], int, torch.Tensor] | None]
         self._saves = queue.Queue(maxsize=self.settings.max_pending_saves)
         self._sender: threading.Thread | None = None
@@ -367,6 +385,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         )
         ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
         self._views = [self._layout.blocks_view(tensor) for _, tensor in ordered]
+        self._layer_index = {name: i for i, (name, _) in enumerate(ordered)}
         self._check_geometry(strict=True)
 
     def _check_geometry(self, *, strict: bool) -> bool:
@@ -414,66 +433,154 @@ class KvpoolConnector(KVConnectorBase_V1):
             )
         return None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if self._loading is not None:  # the last step never reached wait_for_save
+            self._finish_load()
+        super().bind_connector_metadata(connector_metadata)
+        self._hooks_ran = False
+        self._saving = None
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KvpoolConnectorMetadata):
+        if not isinstance(meta, KvpoolConnectorMetadata) or not meta.loads or not self._views:
             return
         started = time.perf_counter()
-        for spec in meta.loads:
-            self._load(spec)
-        if meta.loads:
-            self.stats.add(load_s=time.perf_counter() - started)
-
-    def _load(self, spec: LoadSpec) -> None:
-        lease = spec.leases.get(self._rank)
-        loaded = 0
-        want = len(spec.block_ids)
         client = self._transfer(self.settings.transfer_timeout_s)
-        try:
-            if lease is not None and client is not None and self._check_geometry(strict=False):
-                count = min(lease.count - spec.first, want)
-                if count > 0:
-                    kv = client.geometry(lease.replica).empty_kv(count)[0]
-                    client.get_into(lease, [kv], start=spec.first, count=count)
-                    scatter(self._views, spec.block_ids[:count], kv)
-                    loaded = count
-        except (TransferError, TransferConnectionError, OSError, LayoutError) as err:
-            log.warning("kvpool: load of %s failed (%s); vLLM recomputes it", spec.req_id, err)
-            loaded = 0
-        finally:
-            if lease is not None and client is not None:
-                # A release that fails is harmless: the lease expires on its own.
-                with contextlib.suppress(TransferError, TransferConnectionError, OSError):
-                    client.release(lease)
-        self.stats.add(loaded_blocks=loaded, load_error_blocks=want - loaded)
-        if loaded < want:
-            self._load_errors.update(spec.block_ids[loaded:])
-            self._failed_loads.add(spec.req_id)
+        items = [self._load_item(spec) for spec in meta.loads]
+        if self._hooks_ran:
+            # vLLM starts loads after the forward pass only in steps it believes have none:
+            # too late to feed it, so these blocks fail and are recomputed.
+            log.warning("kvpool: loads started after the forward pass; vLLM recomputes them")
+            for item in items:
+                item.count = 0
+        chunks = self.settings.load_layer_chunks if self._layerwise_loads else 1
+        job = LayerLoad(
+            items,
+            len(self._views),
+            chunks,
+            client=lambda: client,
+            usable=lambda: self._check_geometry(strict=False),
+            timeout_s=self.settings.transfer_timeout_s,
+            stats=self.stats,
+            on_chunk=self._load_chunk_landed,
+        )
+        self._loading = job
+        if not job.pending:
+            job.run()  # nothing to read: releases the leases
+        elif self._layerwise_loads:
+            job.start()
+        else:
+            job.run()
+            for layer in range(len(self._views)):
+                self._take_layer(job, layer)
+        self.stats.add(load_s=time.perf_counter() - started)
+
+    def _load_item(self, spec: LoadSpec) -> LoadItem:
+        lease = spec.leases.get(self._rank)
+        count = min(lease.count - spec.first, len(spec.block_ids)) if lease is not None else 0
+        item = LoadItem(spec.req_id, spec.block_ids, spec.first, lease, max(0, count))
+        if item.count > 0:
+            device = self._views[0].device
+            item.index = torch.tensor(spec.block_ids[: item.count], device=device)
+        return item
+
+    def _load_chunk_landed(self, chunk: int) -> None:
+        """Called by the load thread once a layer range of every request landed or failed
+        (and was announced), before it reads the next range."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._hooks_ran = True
+        job = self._loading
+        layer = self._layer_index.get(layer_name)
+        if job is None or layer is None or layer in job.taken or not job.pending:
+            return
+        started = time.perf_counter()
+        self._take_layer(job, layer)
+        self.stats.add(load_s=time.perf_counter() - started, layer_loads=1)
+
+    def _take_layer(self, job: LayerLoad, layer: int) -> None:
+        for item in job.take(layer):
+            assert item.kv is not None and item.index is not None
+            self._scatter_layer(layer, item.index, item.kv[layer])
+
+    def _scatter_layer(self, layer: int, index: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write one layer of landed blocks (``[n, 2, bs, heads, dim]``) into vLLM's pages."""
+        view = self._views[layer]
+        view.index_copy_(0, index, kv.to(view.device, non_blocking=True))
+
+    def _finish_load(self) -> set[str]:
+        """The step's loads, settled: failed blocks queued for vLLM; the failed requests."""
+        job, self._loading = self._loading, None
+        if job is None:
+            return set()
+        started = time.perf_counter()
+        outcome = job.finish()
+        if outcome.untaken_layers and self._layerwise_loads:
+            self._layerwise_loads = False
+            self.stats.add(layerwise_fallbacks=1)
+            log.warning(
+                "kvpool: vLLM did not call wait_for_layer_load for %d of %d layers during a "
+                "step with loads; those loads are recomputed and later loads complete before "
+                "the forward pass",
+                outcome.untaken_layers,
+                len(self._views),
+            )
+        self.stats.add(
+            loaded_blocks=outcome.loaded_blocks,
+            load_error_blocks=len(outcome.failed_block_ids),
+            load_s=time.perf_counter() - started,
+        )
+        self._load_errors.update(outcome.failed_block_ids)
+        return outcome.failed_requests
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()
         return failed
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
-
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # blocks are copied out once per step, in wait_for_save
+        self._hooks_ran = True
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self.settings.layerwise:
+            return  # (not layer-wise: wait_for_save copies every layer)
+        saving = self._saving or self._plan_saves()
+        if saving is None:
+            return
+        started = time.perf_counter()
+        if saving.copy(self._views, layer):
+            self.stats.add(copy_out_s=time.perf_counter() - started, layer_saves=1)
+
+    def _plan_saves(self) -> LayerSave | None:
+        """This step's blocks to save, as one ``LayerSave`` (None: nothing to save)."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KvpoolConnectorMetadata) or not self._views:
+            return None
+        parts: list[SavePart] = []
+        block_ids: list[int] = []
+        for spec in meta.saves:
+            if spec.block_ids:
+                start, count = len(block_ids), len(spec.block_ids)
+                parts.append(SavePart(spec.req_id, spec.keys, spec.first, start, count))
+                block_ids.extend(spec.block_ids)
+        if not parts:
+            return None
+        self._saving = LayerSave(parts, block_ids, self._views[0])
+        return self._saving
 
     def wait_for_save(self) -> None:
-        meta = self._connector_metadata
-        failed, self._failed_loads = self._failed_loads, set()
-        if not isinstance(meta, KvpoolConnectorMetadata) or not meta.saves or not self._views:
+        failed = self._finish_load()
+        saving, self._saving = self._saving or self._plan_saves(), None
+        if saving is None:
             return
-        for spec in meta.saves:
-            if not spec.block_ids or spec.req_id in failed:
+        started = time.perf_counter()
+        parts = saving.finish(self._views)
+        self.stats.add(copy_out_s=time.perf_counter() - started)
+        for part, kv in parts:
+            # A request whose load failed computed this step over blocks never loaded.
+            if part.req_id in failed:
                 continue
-            started = time.perf_counter()
-            kv = gather(self._views, spec.block_ids)
-            self.stats.add(copy_out_s=time.perf_counter() - started)
-            item = (self._ns(self._rank), spec.keys, spec.first, kv)
+            item = (self._ns(self._rank), part.keys, part.first, kv)
             try:
                 self._saves.put_nowait(item)
             except queue.Full:
