@@ -1,20 +1,5 @@
-"""The replay tests run on both cores of the cache engine (see ``tests/conftest.py``)."""
+"""The replay tests run on both cores of the cache engine (``tests/engine_cores.py``)."""
 
-from __future__ import annotations
+from tests.engine_cores import engine_core, pytest_generate_tests
 
-import pytest
-
-from tests.conftest import ENGINE_CORES, use_engine_core
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Every test function runs on both cores (see ``tests/conftest.py``)."""
-    if "engine_core" in metafunc.fixturenames:
-        metafunc.parametrize(
-            "engine_core", ENGINE_CORES, indirect=True, ids=lambda core: f"core={core}"
-        )
-
-
-@pytest.fixture(autouse=True)
-def engine_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
-    return use_engine_core(request, monkeypatch)
+__all__ = ["engine_core", "pytest_generate_tests"]

@@ -89,6 +89,17 @@ class _Mini:
         return self.cache.step(keys)
 
 
+def checked_ratios(policy: str, ratios: Iterable[float]) -> tuple[float, ...]:
+    """``ratios`` sorted, once ``policy`` is a known eviction policy and every ratio is
+    positive (else ValueError): the checks both miniatures' constructors make."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; one of {sorted(POLICIES)}")
+    checked = tuple(sorted(ratios))
+    if not checked or checked[0] <= 0:
+        raise ValueError(f"ratios must be positive, got {checked}")
+    return checked
+
+
 class PolicyMiniature:
     """Miniatures of ``policy`` at ``ratios`` of ``capacity`` blocks, fed a sample of keys."""
 
@@ -102,13 +113,9 @@ class PolicyMiniature:
         max_pending: int = MAX_PENDING,
         shift: int | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; one of {sorted(POLICIES)}")
+        self.ratios = checked_ratios(policy, ratios)
         self.policy = policy
         self.capacity = max(int(capacity), 1)
-        self.ratios = tuple(sorted(ratios))
-        if not self.ratios or self.ratios[0] <= 0:
-            raise ValueError(f"ratios must be positive, got {self.ratios}")
         self.min_blocks = min_blocks
         self.max_pending = max_pending
         if shift is None:  # the lowest rate that keeps min_blocks in the smallest miniature

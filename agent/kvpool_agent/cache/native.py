@@ -40,6 +40,7 @@ from kvpool_agent.cache.mrc import MissRatioCurve
 from kvpool_agent.cache.native_curves import (
     AnyMissRatioCurve,
     AnyPolicyMiniature,
+    CompiledSampler,
     NativeMissRatioCurve,
     NativePolicyMiniature,
 )
@@ -229,16 +230,7 @@ class NativeCore:
     def mrc(self, curve: AnyMissRatioCurve) -> None:
         if isinstance(curve, MissRatioCurve):
             curve = NativeMissRatioCurve.like(curve) or curve
-        old = self._mrc
-        if isinstance(old, NativeMissRatioCurve):
-            old.detach()
-        if isinstance(curve, NativeMissRatioCurve):
-            try:
-                curve.attach(self._engine)
-            except Exception:
-                if isinstance(old, NativeMissRatioCurve):
-                    old.attach(self._engine)
-                raise
+        self._swap(self._mrc, curve)
         self._mrc = curve
         self._sampling()
 
@@ -250,18 +242,22 @@ class NativeCore:
     def miniature(self, miniature: AnyPolicyMiniature | None) -> None:
         if isinstance(miniature, PolicyMiniature):
             miniature = NativePolicyMiniature.like(miniature) or miniature
-        old = self._miniature
-        if isinstance(old, NativePolicyMiniature):
-            old.detach()
-        if isinstance(miniature, NativePolicyMiniature):
-            try:
-                miniature.attach(self._engine)
-            except Exception:
-                if isinstance(old, NativePolicyMiniature):
-                    old.attach(self._engine)
-                raise
+        self._swap(self._miniature, miniature)
         self._miniature = miniature
         self._sampling()
+
+    def _swap(self, old: object, new: object) -> None:
+        """Hand the engine ``new`` in place of ``old`` where either is compiled (the engine
+        feeds those itself); when ``new`` cannot be attached, ``old`` is attached again."""
+        if isinstance(old, CompiledSampler):
+            old.detach()
+        if isinstance(new, CompiledSampler):
+            try:
+                new.attach(self._engine)
+            except Exception:
+                if isinstance(old, CompiledSampler):
+                    old.attach(self._engine)
+                raise
 
     def _sampling(self) -> None:
         """Have the engine sample keys for the curves it does not feed itself."""

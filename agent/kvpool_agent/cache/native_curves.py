@@ -25,13 +25,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
 from kvpool_agent.cache.block import TreeNode
-from kvpool_agent.cache.eviction.registry import POLICIES
 from kvpool_agent.cache.miniature import (
     MAX_PENDING,
     MIN_BLOCKS,
     RATIOS,
     PolicyCurveSnapshot,
     PolicyMiniature,
+    checked_ratios,
 )
 from kvpool_agent.cache.mrc import MAX_RATIO, MAX_SAMPLES, MIN_SHIFT, CurveSnapshot, MissRatioCurve
 
@@ -60,11 +60,58 @@ def _exact_float(value: float, name: str) -> float:
     return converted
 
 
-class NativeMissRatioCurve:
+class CompiledSampler:
+    """What a compiled curve and a compiled miniature share: the handle (``_raw``), the
+    sampling (a key is sampled when ``key & mask == 0``, at ``rate = 2**-shift``) and a
+    place in an engine, which feeds what it holds on every request."""
+
+    __slots__ = ("_raw",)
+    _raw: Any
+
+    @property
+    def capacity(self) -> int:
+        return int(self._raw.capacity)
+
+    @property
+    def shift(self) -> int:
+        return int(self._raw.shift)
+
+    @property
+    def rate(self) -> float:
+        return float(self._raw.rate)
+
+    @property
+    def mask(self) -> int:
+        """A key is sampled when ``key & mask == 0``."""
+        return int(self._raw.mask)
+
+    def access(self, key: int) -> None:
+        """One accessed key (counted by a curve; queued by a miniature when sampled)."""
+        self._raw.access(key)
+
+    @property
+    def attached(self) -> bool:
+        """Whether an engine holds (and feeds) this one."""
+        return bool(self._raw.attached)
+
+    def attach(self, engine: Any) -> None:
+        """Move this into ``engine`` (a ``kvpool_native.Engine`` holding none of its kind),
+        which feeds it on every request from then on."""
+        self._raw.attach(engine)
+
+    def detach(self) -> None:
+        """Take this back from its engine (no-op when not attached)."""
+        self._raw.detach()
+
+    def memory_bytes(self) -> int:
+        return int(self._raw.memory_bytes())
+
+
+class NativeMissRatioCurve(CompiledSampler):
     """``MissRatioCurve`` (``mrc.py``) compiled: the same constructor, feeding, ``snapshot``
     and ``len``."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ()
 
     def __init__(
         self,
@@ -101,23 +148,6 @@ class NativeMissRatioCurve:
         made._raw = raw
         return made
 
-    @property
-    def capacity(self) -> int:
-        return int(self._raw.capacity)
-
-    @property
-    def shift(self) -> int:
-        return int(self._raw.shift)
-
-    @property
-    def rate(self) -> float:
-        return float(self._raw.rate)
-
-    @property
-    def mask(self) -> int:
-        """A key is sampled when ``key & mask == 0``."""
-        return int(self._raw.mask)
-
     # ------------------------------------------------------------------ feeding
 
     def access_nodes(self, nodes: Sequence[TreeNode]) -> None:
@@ -127,9 +157,6 @@ class NativeMissRatioCurve:
     def access_sampled(self, count: int, keys: Sequence[int]) -> None:
         """``count`` accesses, of which ``keys`` (in order) are the sampled ones."""
         self._raw.access_sampled(count, list(keys))
-
-    def access(self, key: int) -> None:
-        self._raw.access(key)
 
     # ------------------------------------------------------------------ reading
 
@@ -143,25 +170,6 @@ class NativeMissRatioCurve:
     def __len__(self) -> int:
         """Keys tracked now."""
         return len(self._raw)
-
-    # ------------------------------------------------------------------ the engine's
-
-    @property
-    def attached(self) -> bool:
-        """Whether an engine holds (and feeds) this curve."""
-        return bool(self._raw.attached)
-
-    def attach(self, engine: Any) -> None:
-        """Move the curve into ``engine`` (a ``kvpool_native.Engine`` holding none), which
-        feeds it on every request from then on."""
-        self._raw.attach(engine)
-
-    def detach(self) -> None:
-        """Take the curve back from its engine (no-op when not attached)."""
-        self._raw.detach()
-
-    def memory_bytes(self) -> int:
-        return int(self._raw.memory_bytes())
 
 
 class PendingKeys(Sequence[int]):
@@ -200,11 +208,11 @@ class PendingKeys(Sequence[int]):
         return f"PendingKeys({list(self)!r})"
 
 
-class NativePolicyMiniature:
+class NativePolicyMiniature(CompiledSampler):
     """``PolicyMiniature`` (``miniature.py``) compiled: the same constructor, feeding,
     ``drain``, ``snapshot`` and counters (``hits``, ``accesses``, ``dropped``, ``pending``)."""
 
-    __slots__ = ("_min_blocks", "_raw", "ratios")
+    __slots__ = ("_min_blocks", "ratios")
 
     def __init__(
         self,
@@ -216,11 +224,7 @@ class NativePolicyMiniature:
         max_pending: int = MAX_PENDING,
         shift: int | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; one of {sorted(POLICIES)}")
-        self.ratios = tuple(sorted(ratios))
-        if not self.ratios or self.ratios[0] <= 0:
-            raise ValueError(f"ratios must be positive, got {self.ratios}")
+        self.ratios = checked_ratios(policy, ratios)
         for r in self.ratios:
             _exact_float(r, "ratios")
         if isinstance(max_pending, bool) or not isinstance(max_pending, int):
@@ -263,10 +267,6 @@ class NativePolicyMiniature:
         return str(self._raw.policy)
 
     @property
-    def capacity(self) -> int:
-        return int(self._raw.capacity)
-
-    @property
     def min_blocks(self) -> int:
         return self._min_blocks
 
@@ -277,19 +277,6 @@ class NativePolicyMiniature:
     @max_pending.setter
     def max_pending(self, value: int) -> None:
         self._raw.max_pending = value
-
-    @property
-    def shift(self) -> int:
-        return int(self._raw.shift)
-
-    @property
-    def rate(self) -> float:
-        return float(self._raw.rate)
-
-    @property
-    def mask(self) -> int:
-        """A key is sampled when ``key & mask == 0``."""
-        return int(self._raw.mask)
 
     def sizes(self) -> list[int]:
         """Blocks in each miniature at the current rate."""
@@ -323,10 +310,6 @@ class NativePolicyMiniature:
         """The sampled keys of one request's accessed nodes, in order."""
         self._raw.queue_sampled(list(keys))
 
-    def access(self, key: int) -> None:
-        """Queue one accessed key if it is sampled."""
-        self._raw.access(key)
-
     # ------------------------------------------------------------------ simulation
 
     def drain(self, limit: int | None = None) -> int:
@@ -345,25 +328,6 @@ class NativePolicyMiniature:
             accesses=accesses,
             dropped=dropped,
         )
-
-    # ------------------------------------------------------------------ the engine's
-
-    @property
-    def attached(self) -> bool:
-        """Whether an engine holds (and feeds) this miniature."""
-        return bool(self._raw.attached)
-
-    def attach(self, engine: Any) -> None:
-        """Move the miniature into ``engine`` (a ``kvpool_native.Engine`` holding none),
-        which queues the sampled keys of every request from then on."""
-        self._raw.attach(engine)
-
-    def detach(self) -> None:
-        """Take the miniature back from its engine (no-op when not attached)."""
-        self._raw.detach()
-
-    def memory_bytes(self) -> int:
-        return int(self._raw.memory_bytes())
 
 
 AnyMissRatioCurve = MissRatioCurve | NativeMissRatioCurve
