@@ -32,6 +32,10 @@ def test_settings_refuse_bad_fields_by_name() -> None:
         ConnectorSettings.parse({"replicas": ["no-port"]})
     with pytest.raises(ConnectorConfigError, match="pool: String should match"):
         ConnectorSettings.parse({"pool": "Not_A_Name"})
+    with pytest.raises(ConnectorConfigError, match=r"load_layer_chunks: .*greater than or equal"):
+        ConnectorSettings.parse({"pool": "p", "load_layer_chunks": 0})
+    with pytest.raises(ConnectorConfigError, match="layerwise: Input should be a valid boolean"):
+        ConnectorSettings.parse({"pool": "p", "layerwise": "sometimes"})
 
 
 def test_token_comes_from_the_file_or_the_environment(
