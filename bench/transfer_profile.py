@@ -9,6 +9,7 @@ each part can be read off:
 
     python bench/transfer_profile.py                          # 128 KiB blocks, PUT, 1 client
     python bench/transfer_profile.py --payload 2MiB --op get --clients 4 --top 30
+    python bench/transfer_profile.py --path shm                # the same-node path
 
 A sample is one stack of one thread that was running (idle threads are left out), taken
 ``--rate`` times a second.
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from transfer import GEOMETRIES, TPB, AgentProcess, bench_protocol  # bench/transfer.py
+from transfer import GEOMETRIES, TPB, AgentProcess, bench_protocol, bench_shm  # bench/transfer.py
 
 OPS = ("put", "get")
 PLUMBING = ("Thread._bootstrap", "Thread.run", "_run_code", "_run_module_as_main", "<module>")
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--payload", choices=sorted(GEOMETRIES), default="128KiB")
     parser.add_argument("--op", choices=OPS, default="put")
     parser.add_argument("--clients", type=int, default=1)
+    parser.add_argument(
+        "--path", choices=("tcp", "shm"), default="tcp", help="transfer port or same-node path"
+    )
     parser.add_argument("--blocks", type=int, default=16, help="2 MiB blocks' worth per request")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rate", type=int, default=200, help="samples per second")
@@ -75,7 +79,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         agent = AgentProcess(Path(tmp), model, max(512 << 20, 16 * nbytes), None)
         try:
-            bench_protocol(agent.address, args.op, args.clients, blocks, 2.0, 0)  # warm-up
+
+            def bench(seconds: float, run: int) -> float:
+                if args.path == "shm":
+                    return bench_shm(agent.unix_socket, args.op, args.clients, blocks, seconds, run)
+                return bench_protocol(agent.address, args.op, args.clients, blocks, seconds, run)
+
+            bench(2.0, 0)  # warm-up
             outputs = {"agent": Path(tmp) / "agent.txt", "client": Path(tmp) / "client.txt"}
             pids = {"agent": agent.proc.pid, "client": os.getpid()}
             spies = [
@@ -89,14 +99,14 @@ def main() -> None:
                 for name, out in outputs.items()
             ]
             time.sleep(0.5)
-            rate = bench_protocol(agent.address, args.op, args.clients, blocks, args.seconds, 1)
+            rate = bench(args.seconds, 1)
             for proc in spies:
                 proc.wait()
         finally:
             agent.stop()
         per_request_ms = nbytes / rate * 1e3
         print(
-            f"{args.op} of {blocks} blocks of {args.payload} ({nbytes >> 20} MiB) from "
+            f"{args.path} {args.op} of {blocks} blocks of {args.payload} ({nbytes >> 20} MiB) from "
             f"{args.clients} client(s): {rate / 1e9:.2f} GB/s, {per_request_ms:.1f} ms per "
             f"request per client; one sample = {1e3 / args.rate:.0f} ms of a thread's time"
         )

@@ -33,7 +33,7 @@ import zmq
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.server import AgentService, create_app
-from kvpool_agent.server.events import END_OF_REPLAY, WIRE_FIELDS
+from kvpool_agent.server.events import END_OF_REPLAY, WIRE_FIELDS, make_encoder
 
 from .conftest import Message, decode_with_llmd, decode_with_vllm
 
@@ -273,7 +273,8 @@ async def tier_scenario() -> TierRun:
     doc = agent_doc(primary_blocks=64, host_blocks=64)
     doc["events"] = {"endpoint": None, "replay_endpoint": None, "topic": f"kv@gpu-pod@{MODEL}"}
     svc = AgentService(AgentConfig.model_validate(doc))
-    svc.publisher.encoder.mediums["primary"] = "GPU"  # as on a CUDA agent
+    native = svc.engine.core_name == "native"
+    svc.publisher.encoder = make_encoder(svc.engine.tpb, "GPU", native=native)  # a CUDA agent's
     await svc.start()
     try:
         async with httpx.AsyncClient(

@@ -119,6 +119,11 @@ class NativeEvents:
         """Remove and return up to ``limit`` events, oldest first."""
         return [_event(raw) for raw in self._engine.drain_events(limit)]
 
+    def drain_wire(self, encoder: Any, ts: float, rank: int) -> tuple[bytes, int] | None:
+        """Drain everything into one published batch by ``encoder`` (a compiled
+        ``kvpool_native.WireEncoder``): the bytes and how many wire events, or None."""
+        return self._engine.drain_wire(encoder, ts, rank)
+
     def resize(self, max_size: int) -> None:
         self._engine.resize_events(max_size)
 

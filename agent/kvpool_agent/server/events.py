@@ -36,6 +36,12 @@ The engine reports a block changing tier as ``BlockUpdated``. On the wire that i
 medium never keeps routing to a copy that is gone; a move between tiers of the same medium (a
 CPU agent's primary and host tiers) publishes nothing. The engine reports a block once its
 last copy is gone as ``BlockRemoved``, with the medium of that copy.
+
+``WireEncoder`` is the reference; ``NativeWireEncoder`` (``kvpool_native.WireEncoder``,
+``agent/native/src/wire/``) writes the same bytes and is what an agent on the compiled engine
+core uses: it encodes the engine's event records where they lie, so storing a chain of
+hundreds of blocks costs no Python object per event (``tests/native/test_wire_encoder.py``
+compares the two batch by batch).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
@@ -157,6 +163,28 @@ class WireEncoder:
             self._names.pop(next(iter(self._names)))
         self._names[tuple(tokens)] = wire_hash(key)
 
+    def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
+        """``name`` each block of a chain: block ``i`` is ``tokens[i*bs:(i+1)*bs]``."""
+        bs = self.block_size
+        if len(tokens) != len(keys) * bs:
+            raise ValueError(f"name_chain: {len(tokens)} tokens for {len(keys)} keys of {bs}")
+        for i, key in enumerate(keys):
+            self.name(tokens[i * bs : (i + 1) * bs], key)
+
+    def encode_batch(
+        self, events: Sequence[KVEvent], ts: float, rank: int
+    ) -> tuple[bytes, int] | None:
+        """The batch of ``events`` as published, and how many wire events it holds; None
+        when they make none."""
+        wire = [w for e in events for w in self.encode(e)]
+        if not wire:
+            return None
+        return encode_batch(ts, wire, rank), len(wire)
+
+    def drain_batch(self, queue: EventSource, ts: float, rank: int) -> tuple[bytes, int] | None:
+        """``encode_batch`` of everything ``queue`` holds (drained)."""
+        return self.encode_batch(queue.drain(), ts, rank)
+
     def encode(self, event: KVEvent) -> list[dict[str, Any]]:
         """The wire events of one engine event (none, one, or two for a tier move)."""
         if isinstance(event, BlockStored):
@@ -208,6 +236,70 @@ class WireEncoder:
         return {"type": "BlockRemoved", "block_hashes": [key], "medium": medium}
 
 
+class NativeWireEncoder:
+    """``WireEncoder`` compiled (``kvpool_native.WireEncoder``): the same state and the same
+    bytes, without a dict per event. With the compiled engine core it encodes the engine's
+    event records where they are (``NativeEvents.drain_wire``), so a chain of hundreds of
+    blocks costs no Python object per event."""
+
+    def __init__(self, block_size: int, primary_medium: str) -> None:
+        import kvpool_native
+
+        self.block_size = block_size
+        self._inner = kvpool_native.WireEncoder(block_size, primary_medium)
+
+    @property
+    def removed(self) -> dict[str, int]:
+        """Blocks whose last copy went, by reason."""
+        return dict(self._inner.removed)
+
+    def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
+        self._inner.name_chain(tokens, [bytes(k) for k in keys])
+
+    def encode_batch(
+        self, events: Sequence[KVEvent], ts: float, rank: int
+    ) -> tuple[bytes, int] | None:
+        return self._inner.encode_batch(list(events), ts, rank)
+
+    def drain_batch(self, queue: EventSource, ts: float, rank: int) -> tuple[bytes, int] | None:
+        drain_wire = getattr(queue, "drain_wire", None)
+        if drain_wire is None:  # the Python engine's queue
+            return self.encode_batch(queue.drain(), ts, rank)
+        return drain_wire(self._inner, ts, rank)
+
+
+class EventSource(Protocol):
+    """What the publisher drains: the engine's event queue (``EventQueue``, or the compiled
+    core's ``NativeEvents``, which also has ``drain_wire``)."""
+
+    def drain(self, limit: int | None = None) -> list[KVEvent]: ...
+
+
+class Encoder(Protocol):
+    """``WireEncoder`` or ``NativeWireEncoder``."""
+
+    block_size: int
+
+    @property
+    def removed(self) -> Mapping[str, int]: ...
+
+    def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None: ...
+
+    def encode_batch(
+        self, events: Sequence[KVEvent], ts: float, rank: int
+    ) -> tuple[bytes, int] | None: ...
+
+    def drain_batch(self, queue: EventSource, ts: float, rank: int) -> tuple[bytes, int] | None: ...
+
+
+def make_encoder(block_size: int, primary_medium: str, *, native: bool) -> Encoder:
+    """The compiled encoder where ``native`` (the engine runs the compiled core), else the
+    Python one."""
+    if native:
+        return NativeWireEncoder(block_size, primary_medium)
+    return WireEncoder(block_size, primary_medium)
+
+
 def encode_batch(ts: float, events: list[dict[str, Any]], rank: int = DATA_PARALLEL_RANK) -> bytes:
     """What ``msgspec.msgpack.Encoder().encode(KVEventBatch(ts, events, rank))`` writes (the
     maps' keys in vLLM's field order, floats as float64, ints in their shortest form)."""
@@ -219,7 +311,7 @@ class EventPublisher:
 
     def __init__(
         self,
-        encoder: WireEncoder,
+        encoder: Encoder,
         *,
         endpoint: str | None,
         replay_endpoint: str | None,
@@ -289,14 +381,20 @@ class EventPublisher:
 
     def publish(self, events: list[KVEvent]) -> int | None:
         """Encode and publish one batch; returns its sequence number (None if nothing to send)."""
-        wire = [w for e in events for w in self.encoder.encode(e)]
-        if not wire:
+        return self._send(self.encoder.encode_batch(events, time.time(), self.data_parallel_rank))
+
+    def flush(self, queue: EventSource) -> int | None:
+        """Drain ``queue`` and publish what it held as one batch (``publish``)."""
+        return self._send(self.encoder.drain_batch(queue, time.time(), self.data_parallel_rank))
+
+    def _send(self, batch: tuple[bytes, int] | None) -> int | None:
+        if batch is None:
             return None
+        payload, count = batch
         seq = self.next_seq
         self.next_seq += 1
-        payload = encode_batch(time.time(), wire, self.data_parallel_rank)
         self.buffer.append((seq, payload))
-        self.published_events += len(wire)
+        self.published_events += count
         if self._pub is not None:
             with contextlib.suppress(zmq.Again):
                 self._pub.send_multipart(

@@ -47,7 +47,7 @@ from kvpool_agent.config import (
 from kvpool_agent.credentials import Credentials, Principal
 from kvpool_agent.dataplane.keys import KeyFormatError, KeyNamespace, chain_tokens, check_keys
 from kvpool_agent.server.attention import AttentionBatch, run_attention
-from kvpool_agent.server.events import EventPublisher, WireEncoder
+from kvpool_agent.server.events import EventPublisher, make_encoder
 from kvpool_agent.server.snapshot import ImportResult, Namespace, export_snapshot, import_snapshot
 from kvpool_kernels import PagedAttention
 
@@ -135,9 +135,9 @@ class Store:
     held: tuple[int, ...]
     block_ids: dict[int, list[int]]
     """Per pool, the primary ids of the blocks the store writes (chain blocks resident..)."""
-    names: list[tuple[list[int], bytes]] = field(default_factory=list)
-    """Synthetic tokens and engine key of each block it writes: its KV events name the block
-    by the engine's hash."""
+    names: tuple[list[int], list[bytes]] = field(default_factory=lambda: ([], []))
+    """Synthetic tokens and engine keys of the blocks it writes (block ``i`` is the ``i``-th
+    ``tokens_per_block`` run): its KV events name each block by the engine's hash."""
     expires_at: float | None = None
     """A same-node reservation (PUT_SHM): ``time.monotonic()`` after which it is aborted
     like an expired lease, its blocks freed. None: the connection receiving its bytes owns
@@ -198,7 +198,7 @@ class AgentService:
         ev = config.events
         host = config.server.host
         self.publisher = EventPublisher(
-            WireEncoder(self.engine.tpb, primary_medium),
+            make_encoder(self.engine.tpb, primary_medium, native=self.engine.core_name == "native"),
             endpoint=_at_host(ev.endpoint, host),
             replay_endpoint=_at_host(ev.replay_endpoint, host),
             topic=ev.topic,
@@ -348,9 +348,7 @@ class AgentService:
                 self.flush_events()
 
     def flush_events(self) -> None:
-        events = self.engine.events.drain()
-        if events:
-            self.publisher.publish(events)
+        self.publisher.flush(self.engine.events)
 
     def default_retention(self) -> KvCacheRetentionConfig | None:
         """The config's default policy as a request policy (None when it is the engine's)."""
@@ -851,7 +849,7 @@ class AgentService:
             for pool, table in enumerate(handle.block_tables):
                 first_block = handle.first_token[pool] // tpb
                 ids[pool] = list(table[resident - first_block : n - first_block])
-            names = [(tokens[i * tpb : (i + 1) * tpb], chain[i]) for i in range(resident, n)]
+            names = (tokens[resident * tpb : n * tpb], chain[resident:n])
             store = Store(
                 self._new_id(), tenant, handle, resident, n, self._held(handle), ids, names
             )
@@ -871,8 +869,7 @@ class AgentService:
 
         def run() -> None:
             self.stores.pop(store.store_id)
-            for tokens, key in store.names:
-                self.publisher.encoder.name(tokens, key)
+            self.publisher.encoder.name_chain(*store.names)
             self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
 
@@ -905,8 +902,7 @@ class AgentService:
                     404, f"reservation {store.store_id} is not held (expired or aborted)"
                 )
             self.stores.pop(store.store_id)
-            for tokens, key in store.names:
-                self.publisher.encoder.name(tokens, key)
+            self.publisher.encoder.name_chain(*store.names)
             self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
 

@@ -11,5 +11,6 @@ fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::eviction::py::register(m)?;
     crate::curves::py::register(m)?;
     crate::copy::py::register(m)?;
+    crate::wire::py::register(m)?;
     Ok(())
 }

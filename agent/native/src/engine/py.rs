@@ -352,6 +352,19 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// The buffered events encoded for the wire in one batch (`kvpool_native.WireEncoder`).
+    #[pyo3(signature = (encoder, ts, rank, limit=None))]
+    fn drain_wire<'py>(
+        &mut self,
+        py: Python<'py>,
+        encoder: &Bound<'py, crate::wire::py::PyWireEncoder>,
+        ts: f64,
+        rank: i64,
+        limit: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        crate::wire::py::drain_wire(py, &mut self.inner, encoder, ts, rank, limit)
+    }
+
     /// Events, oldest first: ("stored", key, parent_key, tokens, tier, priority),
     /// ("updated", key, tier, priority), ("removed", key, tier, reason), ("cleared",).
     #[pyo3(signature = (limit=None))]

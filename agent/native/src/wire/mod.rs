@@ -1,0 +1,313 @@
+//! Follows `kvpool_agent/server/events.py`: the engine's events as vLLM's wire events, and a
+//! batch of them as the msgpack bytes the agent publishes.
+//!
+//! The Python `WireEncoder` turns each engine event into dicts and msgpack packs them; with
+//! hundreds of events per stored chain that was most of a data-plane PUT's time in the agent.
+//! This encoder keeps the same state (each live block's wire name, parent, tokens and medium;
+//! engine-key names waiting for their block's BlockStored; removals by reason) and writes the
+//! bytes `encode_batch` writes, byte for byte, straight from the engine's event records.
+
+pub mod msgpack;
+
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
+
+use crate::engine::log::{Event, Reason};
+use msgpack::Writer;
+
+/// `MAX_PENDING_NAMES`: names waiting for their block's BlockStored; beyond it the oldest go.
+pub const MAX_PENDING_NAMES: usize = 100_000;
+
+/// A block hash on the wire: an engine key (i64) or an engine-key name (u64), as Python ints.
+pub type Wire = i128;
+
+/// `_Known`: what a later event of a live block needs.
+#[derive(Debug, Clone)]
+struct Known {
+    parent: Option<Wire>,
+    tokens: Box<[u64]>,
+    /// Index into `WireEncoder::mediums`.
+    medium: u8,
+    wire: Wire,
+}
+
+/// Engine-key names by their block's tokens, oldest first (`dict` insertion order: a name
+/// given again for the same tokens keeps its place; a popped one leaves a stale entry in
+/// `order`, skipped when the oldest goes).
+#[derive(Debug, Default)]
+struct Names {
+    map: HashMap<Box<[u64]>, (Wire, u64), FxBuildHasher>,
+    order: VecDeque<(u64, Box<[u64]>)>,
+    next: u64,
+}
+
+impl Names {
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn insert(&mut self, tokens: &[u64], wire: Wire) {
+        if self.map.len() >= MAX_PENDING_NAMES {
+            self.pop_oldest();
+        }
+        if let Some(entry) = self.map.get_mut(tokens) {
+            entry.0 = wire;
+            return;
+        }
+        let seq = self.next;
+        self.next += 1;
+        let owned: Box<[u64]> = tokens.into();
+        self.order.push_back((seq, owned.clone()));
+        self.map.insert(owned, (wire, seq));
+    }
+
+    fn pop_oldest(&mut self) {
+        while let Some((seq, tokens)) = self.order.pop_front() {
+            if self.map.get(&tokens).is_some_and(|&(_, s)| s == seq) {
+                self.map.remove(&tokens);
+                return;
+            }
+        }
+    }
+
+    fn take(&mut self, tokens: &[u64]) -> Option<Wire> {
+        let (wire, _) = self.map.remove(tokens)?;
+        if self.order.len() > 2 * self.map.len() + 64 {
+            // Stale entries outnumber live ones: drop them (order is kept).
+            let map = &self.map;
+            self.order
+                .retain(|(seq, t)| map.get(t).is_some_and(|&(_, s)| s == *seq));
+        }
+        Some(wire)
+    }
+
+    fn memory_bytes(&self) -> usize {
+        let tokens: usize = self.order.iter().map(|(_, t)| t.len() * 8 * 2).sum();
+        self.map.capacity() * (16 + 16 + 8 + 1) + self.order.capacity() * 24 + tokens
+    }
+}
+
+/// The wire encoder of one agent: `WireEncoder` in `events.py`.
+#[derive(Debug)]
+pub struct WireEncoder {
+    block_size: u64,
+    /// Medium names; a tier's medium is `mediums[medium_of[tier]]` (equal names share one
+    /// index, so a move between tiers of the same medium is no change on the wire).
+    mediums: Vec<String>,
+    medium_of: [u8; 2],
+    known: FxHashMap<i64, Known>,
+    names: Names,
+    /// Blocks whose last copy went, by `Reason` (the order of `REASONS`).
+    pub removed: [u64; 4],
+}
+
+/// Every removal reason, in the order of `WireEncoder::removed`.
+pub const REASONS: [Reason; 4] = [
+    Reason::Evicted,
+    Reason::Replaced,
+    Reason::Cleared,
+    Reason::Pruned,
+];
+
+fn reason_index(reason: Reason) -> usize {
+    REASONS.iter().position(|&r| r == reason).unwrap_or(0)
+}
+
+/// `wire_hash`: the low 64 bits of an engine key's bytes read big-endian.
+pub fn wire_hash(key: &[u8]) -> Wire {
+    let mut low = [0u8; 8];
+    let n = key.len().min(8);
+    low[8 - n..].copy_from_slice(&key[key.len() - n..]);
+    u64::from_be_bytes(low) as Wire
+}
+
+impl WireEncoder {
+    pub fn new(block_size: u64, primary_medium: &str) -> Self {
+        let mut mediums = vec![primary_medium.to_string()];
+        let secondary = if primary_medium == "CPU" {
+            0
+        } else {
+            mediums.push("CPU".to_string());
+            1
+        };
+        WireEncoder {
+            block_size,
+            mediums,
+            medium_of: [0, secondary],
+            known: FxHashMap::default(),
+            names: Names::default(),
+            removed: [0; 4],
+        }
+    }
+
+    /// `name`: the block whose tokens are `tokens` goes out under `wire` when stored.
+    pub fn name(&mut self, tokens: &[u64], wire: Wire) {
+        self.names.insert(tokens, wire);
+    }
+
+    pub fn pending_names(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn live_blocks(&self) -> usize {
+        self.known.len()
+    }
+
+    fn medium(&self, tier: u8) -> u8 {
+        self.medium_of[tier.min(1) as usize]
+    }
+
+    /// The wire events of one engine event, appended to `out`; returns how many.
+    pub fn encode(&mut self, event: &Event, out: &mut Writer) -> usize {
+        match event {
+            Event::Stored {
+                key,
+                parent,
+                tokens,
+                tier,
+                ..
+            } => {
+                let medium = self.medium(*tier);
+                let wire = if self.names.len() > 0 {
+                    self.names.take(tokens).unwrap_or(*key as Wire)
+                } else {
+                    *key as Wire
+                };
+                let parent = parent.map(|p| match self.known.get(&p) {
+                    Some(up) => up.wire,
+                    None => p as Wire,
+                });
+                self.stored(out, wire, parent, tokens, medium);
+                self.known.insert(
+                    *key,
+                    Known {
+                        parent,
+                        tokens: tokens.clone(),
+                        medium,
+                        wire,
+                    },
+                );
+                1
+            }
+            Event::Updated { key, tier, .. } => {
+                let medium = self.medium(*tier);
+                let Some(known) = self.known.get_mut(key) else {
+                    return 0;
+                };
+                if known.medium == medium {
+                    return 0; // a priority change, or a move a consumer cannot see
+                }
+                let left = known.medium;
+                known.medium = medium;
+                let (wire, parent, tokens) = (known.wire, known.parent, known.tokens.clone());
+                self.removed_event(out, wire, left);
+                self.stored(out, wire, parent, &tokens, medium);
+                2
+            }
+            Event::Removed { key, tier, reason } => {
+                self.removed[reason_index(*reason)] += 1;
+                match self.known.remove(key) {
+                    Some(gone) => self.removed_event(out, gone.wire, gone.medium),
+                    None => {
+                        let medium = self.medium(*tier);
+                        self.removed_event(out, *key as Wire, medium)
+                    }
+                }
+                1
+            }
+            Event::AllCleared => {
+                self.known.clear();
+                out.map(1);
+                out.str("type");
+                out.str("AllBlocksCleared");
+                1
+            }
+        }
+    }
+
+    fn stored(
+        &self,
+        out: &mut Writer,
+        wire: Wire,
+        parent: Option<Wire>,
+        tokens: &[u64],
+        medium: u8,
+    ) {
+        out.map(8);
+        out.str("type");
+        out.str("BlockStored");
+        out.str("block_hashes");
+        out.array(1);
+        out.int(wire);
+        out.str("parent_block_hash");
+        match parent {
+            Some(p) => out.int(p),
+            None => out.nil(),
+        }
+        out.str("token_ids");
+        out.array(tokens.len());
+        for &t in tokens {
+            out.int(t as Wire);
+        }
+        out.str("block_size");
+        out.int(self.block_size as Wire);
+        out.str("lora_id");
+        out.nil();
+        out.str("medium");
+        out.str(&self.mediums[medium as usize]);
+        out.str("lora_name");
+        out.nil();
+    }
+
+    fn removed_event(&self, out: &mut Writer, wire: Wire, medium: u8) {
+        out.map(3);
+        out.str("type");
+        out.str("BlockRemoved");
+        out.str("block_hashes");
+        out.array(1);
+        out.int(wire);
+        out.str("medium");
+        out.str(&self.mediums[medium as usize]);
+    }
+
+    /// `encode_batch(ts, [wire events of events], rank)`, or None when there are none; and
+    /// how many wire events it holds.
+    pub fn encode_batch<'a>(
+        &mut self,
+        events: impl IntoIterator<Item = &'a Event>,
+        ts: f64,
+        rank: i64,
+    ) -> Option<(Vec<u8>, usize)> {
+        let mut body = Writer::default();
+        let mut count = 0;
+        for event in events {
+            count += self.encode(event, &mut body);
+        }
+        if count == 0 {
+            return None;
+        }
+        let mut out = Writer::with_capacity(body.len() + 32);
+        out.array(3);
+        out.float(ts);
+        out.array(count);
+        out.raw(body.bytes());
+        out.int(rank as Wire);
+        Some((out.into_bytes(), count))
+    }
+
+    /// Heap bytes the encoder's state takes (the live blocks' names and tokens, the names).
+    pub fn memory_bytes(&self) -> usize {
+        let known: usize = self.known.values().map(|k| k.tokens.len() * 8).sum();
+        self.known.capacity() * (8 + std::mem::size_of::<Known>() + 1)
+            + known
+            + self.names.memory_bytes()
+    }
+}
+
+#[cfg(feature = "python")]
+pub mod py;
+
+#[cfg(test)]
+mod tests;

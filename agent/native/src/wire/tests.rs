@@ -1,0 +1,74 @@
+use super::msgpack::Writer;
+use super::*;
+
+fn ints(values: &[i128]) -> Vec<u8> {
+    let mut w = Writer::default();
+    for &v in values {
+        w.int(v);
+    }
+    w.into_bytes()
+}
+
+#[test]
+fn ints_take_msgpack_pythons_shortest_form() {
+    assert_eq!(ints(&[0, 127, -1, -32]), vec![0x00, 0x7f, 0xff, 0xe0]);
+    assert_eq!(ints(&[128, -33]), vec![0xcc, 0x80, 0xd0, 0xdf]);
+    assert_eq!(ints(&[256, -129]), vec![0xcd, 0x01, 0x00, 0xd1, 0xff, 0x7f]);
+    assert_eq!(ints(&[1 << 32])[0], 0xcf);
+    assert_eq!(ints(&[u64::MAX as i128])[1..], [0xff; 8]);
+    assert_eq!(ints(&[i64::MIN as i128])[0], 0xd3);
+    assert_eq!(ints(&[-(1 << 31)])[0], 0xd2);
+}
+
+#[test]
+fn a_named_block_goes_out_under_its_name_and_its_child_names_it_as_parent() {
+    let mut enc = WireEncoder::new(2, "GPU");
+    enc.name(&[5, 6], wire_hash(&[0xab; 40]));
+    let stored = |key, parent, tokens: &[u64]| Event::Stored {
+        key,
+        parent,
+        tokens: tokens.into(),
+        tier: 0,
+        priority: 35,
+    };
+    let (_, n) = enc
+        .encode_batch(
+            [&stored(-7, None, &[5, 6]), &stored(9, Some(-7), &[7, 8])],
+            1.5,
+            0,
+        )
+        .unwrap();
+    assert_eq!(n, 2);
+    assert_eq!(enc.pending_names(), 0);
+    let name = wire_hash(&[0xab; 40]);
+    assert_eq!(name, u64::from_be_bytes([0xab; 8]) as i128);
+    assert_eq!(enc.known[&-7].wire, name);
+    assert_eq!(enc.known[&9].parent, Some(name));
+    // A move to the host tier is a removal and a store on the wire; a priority change is none.
+    let moved = Event::Updated {
+        key: 9,
+        tier: 1,
+        priority: 35,
+    };
+    assert_eq!(enc.encode_batch([&moved], 2.0, 0).unwrap().1, 2);
+    assert!(enc.encode_batch([&moved], 2.0, 0).is_none());
+    let gone = Event::Removed {
+        key: 9,
+        tier: 1,
+        reason: Reason::Evicted,
+    };
+    assert_eq!(enc.encode_batch([&gone], 3.0, 0).unwrap().1, 1);
+    assert_eq!(enc.removed, [1, 0, 0, 0]);
+    assert_eq!(enc.live_blocks(), 1);
+}
+
+#[test]
+fn names_forget_the_oldest_past_the_bound() {
+    let mut enc = WireEncoder::new(1, "CPU");
+    for t in 0..(MAX_PENDING_NAMES as u64 + 3) {
+        enc.name(&[t], t as i128);
+    }
+    assert_eq!(enc.pending_names(), MAX_PENDING_NAMES);
+    assert!(enc.names.take(&[0]).is_none());
+    assert_eq!(enc.names.take(&[3]), Some(3));
+}
