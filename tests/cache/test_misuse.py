@@ -39,6 +39,9 @@ CASES: list[tuple[str, type[Exception], Callable[[KVCacheManager, int], Any]]] =
     ("negative", InvalidTokensError, lambda m, s: m.open_sequence([1, -2])),
     ("bools", InvalidTokensError, lambda m, s: m.open_sequence([True, False])),
     ("empty", InvalidTokensError, lambda m, s: m.open_sequence([])),
+    ("wide and bool", InvalidTokensError, lambda m, s: m.open_sequence([1 << 40, True])),
+    ("wide and 2**63", InvalidTokensError, lambda m, s: m.open_sequence([1 << 40, 1 << 63])),
+    ("wide and negative", InvalidTokensError, lambda m, s: m.open_sequence([1 << 40, -1])),
     ("append floats", InvalidTokensError, lambda m, s: m.append_tokens(s, [0.5])),
     (
         "priority 101",

@@ -91,8 +91,9 @@ def check_tokens(tokens: Sequence[int]) -> list[int]:
 
 try:
     from kvpool_native import pack_tokens as _fast_pack
+    from kvpool_native import tokens_valid as _fast_valid
 except ImportError:  # the compiled core is optional
-    _fast_pack = None
+    _fast_pack = _fast_valid = None
 
 TOKEN_LIMIT = 1 << 63
 """Token ids are below 2**63, as the HTTP API and snapshots take them (and as the compiled
@@ -107,6 +108,8 @@ def check_and_pack(tokens: Sequence[int]) -> tuple[list[int], bytes | None]:
         packed = _fast_pack(tokens)
         if packed is not None and packed:
             return list(tokens), packed
+        if packed is None and _fast_valid(tokens):  # valid, some id past 32 bits: no packing
+            return list(tokens), None
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (list, tuple, range)):
         raise InvalidTokensError(f"tokens must be a list of ints, got {type(tokens).__name__}")
     toks = list(tokens)

@@ -19,6 +19,7 @@ use super::{Engine, EngineConfig, EngineError, Retention, Settings};
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens_valid, m)?)?;
     Ok(())
 }
 
@@ -46,6 +47,26 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> Option<Bound
         return None;
     };
     Some(PyBytes::new(py, &out))
+}
+
+/// Whether a list or tuple holds only token ids: `int`s (exactly) in `[0, 2**63)`. The check
+/// `pack_tokens` leaves to the caller when some id needs more than 32 bits (the data plane's
+/// synthetic tokens all do); False sends the caller the slow way, which says what is wrong.
+#[pyfunction]
+fn tokens_valid(tokens: &Bound<'_, PyAny>) -> bool {
+    fn valid<'py>(mut items: impl Iterator<Item = Bound<'py, PyAny>>) -> bool {
+        items.all(|item| {
+            item.is_exact_instance_of::<pyo3::types::PyInt>()
+                && item.extract::<u64>().is_ok_and(|v| v < 1 << 63)
+        })
+    }
+    if let Ok(list) = tokens.cast_exact::<PyList>() {
+        valid(list.iter())
+    } else if let Ok(tuple) = tokens.cast_exact::<PyTuple>() {
+        valid(tuple.iter())
+    } else {
+        false
+    }
 }
 
 fn raise(py: Python<'_>, err: EngineError) -> PyErr {
