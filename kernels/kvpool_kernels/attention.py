@@ -92,7 +92,7 @@ class PagedAttention:
         )
         if sinks is not None and tuple(sinks.shape) != (num_qo_heads,):
             raise ValueError(f"sinks: expected shape ({num_qo_heads},), got {tuple(sinks.shape)}")
-        dev = torch.device(device) if device is not None else kv_indices.device
+        dev = _indexed(torch.device(device) if device is not None else kv_indices.device)
         table = PagedKvTable(kv_indptr, kv_indices, kv_last_page_len, page_size)
         plan = AttentionPlan(params, qo_indptr, table)
         self._use_flashinfer = self._choose_flashinfer(params, dev, sinks is not None)
@@ -139,3 +139,11 @@ class PagedAttention:
         return reference_attention(
             q, kv_cache, plan, k_scale=k_scale, v_scale=v_scale, sinks=self._sinks
         )
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` means the current CUDA device, ``cuda:0`` say), so
+    that it compares equal to the device of the tensors ``run`` is given."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -86,22 +87,37 @@ def _index_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.to(device, non_blocking=True)
 
 
+HostCopy = Literal["auto", "direct", "staged"]
+"""How blocks cross between pinned host memory and a GPU:
+
+* ``direct``: the GPU's own gather/scatter kernels read or write the host pool in place
+  through its device address (pinned memory is mapped into the GPU's address space), so
+  scattered blocks cross the link in one pass with no work on the host;
+* ``staged``: the host gathers/scatters ~64 MiB chunks into pinned staging buffers that
+  one DMA each moves (the CPU's memory copies bound it);
+* ``auto``: ``direct`` where the host pool is pinned and CUDA can map it, else ``staged``.
+"""
+
+
 def copy_blocks(
     src: torch.Tensor,
     dst: torch.Tensor,
     src_ids: Sequence[int] | torch.Tensor,
     dst_ids: Sequence[int] | torch.Tensor,
+    *,
+    via: HostCopy = "auto",
 ) -> None:
     """Copy blocks ``src[:, src_ids]`` into ``dst[:, dst_ids]`` in one batched call.
 
     ``src`` and ``dst`` may be the same tensor (a copy within a pool; overlapping ids read the
     old contents because the gather completes before the scatter) or live on different devices
-    (offload CUDA -> pinned host, onboard pinned host -> CUDA). Cross-device copies move
-    ~64 MiB chunks through pinned staging, overlapping host-side gather/scatter with the DMA;
-    onboard returns with the work queued on the current CUDA stream (later kernels on that
-    stream see the blocks), offload returns once the blocks are on the host. ``dst_ids`` must
-    be distinct. All ids are validated before anything is written.
+    (offload CUDA -> pinned host, onboard pinned host -> CUDA; ``via`` says how, see
+    ``HostCopy``). Onboard returns with the work queued on the current CUDA stream (later
+    kernels on that stream see the blocks), offload returns once the blocks are on the host.
+    ``dst_ids`` must be distinct. All ids are validated before anything is written.
     """
+    if via not in ("auto", "direct", "staged"):
+        raise ValueError(f"via: must be auto, direct or staged, got {via!r}")
     _check_pools(src, dst)
     s = as_block_ids(src_ids, src.shape[BLOCK_DIM], "src_ids")
     d = as_block_ids(dst_ids, dst.shape[BLOCK_DIM], "dst_ids")
@@ -117,13 +133,55 @@ def copy_blocks(
             f"got {src.device} -> {dst.device}"
         )
     src, dst = _raw(src), _raw(dst)
+    to_host = dst.device.type == "cpu" and src.device.type != "cpu"
+    if src.device != dst.device and via != "staged":
+        host, device = (src, dst.device) if src.device.type == "cpu" else (dst, src.device)
+        alias = device_alias(host, device)
+        if alias is None and via == "direct":
+            raise ValueError(
+                "via direct: the host pool is not pinned memory that CUDA can map "
+                "(use via auto or staged)"
+            )
+        if alias is not None:
+            src, dst = (alias, dst) if src.device.type == "cpu" else (src, alias)
     if src.device == dst.device:
         gathered = _gather(src, _index_on(s, src.device))
         _scatter(dst, _index_on(d, dst.device), gathered)
+        if to_host:  # the host reads the blocks as soon as this returns
+            torch.cuda.current_stream(dst.device).synchronize()
     elif src.device.type == "cpu":
         _onboard(src, dst, s, d)
     else:
         _offload(src, dst, s, d)
+
+
+class _HostMemory:
+    """A pinned host buffer described as CUDA memory (``__cuda_array_interface__``): with
+    unified addressing its host address is its device address too."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        storage = host.untyped_storage()
+        self._storage = storage  # the memory must outlive the alias
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (storage.nbytes(),),
+            "typestr": "|u1",
+            "data": (storage.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``host`` (a pinned CPU tensor, any view) as a tensor of ``device`` over the same
+    memory, so that GPU kernels read and write it in place across the link; None when the
+    memory is not pinned or CUDA cannot map it. The alias must not outlive ``host``."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not host.is_pinned():
+        return None
+    try:
+        raw = torch.as_tensor(_HostMemory(host), device=device)
+        typed = raw.view(host.dtype)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return typed.as_strided(host.shape, host.stride(), host.storage_offset())
 
 
 def _gather(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

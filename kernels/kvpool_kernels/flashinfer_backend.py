@@ -9,6 +9,7 @@ causal mask aligned to the end of each sequence, which covers cached prefixes.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -22,6 +23,21 @@ HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 TENSOR_CORE_GROUP = 4
 """Query heads per KV head from which decode runs faster on tensor cores (flashinfer's advice)."""
+BACKEND_ENV = "KVPOOL_FLASHINFER_BACKEND"
+"""Environment variable naming flashinfer's implementation of the prefill (and tensor-core
+decode) kernels: ``auto`` (flashinfer's choice: FlashAttention-3 on Hopper where it can),
+``fa2`` or ``fa3``. Each variant is compiled on first use; ``fa2`` compiles several times
+faster, which is what a short-lived test machine wants."""
+BACKENDS = ("auto", "fa2", "fa3")
+
+
+def flashinfer_backend_choice() -> str:
+    """``$KVPOOL_FLASHINFER_BACKEND`` (default ``auto``); any other value is an error that
+    names the allowed ones."""
+    value = os.environ.get(BACKEND_ENV, "auto")
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r}: allowed values are {', '.join(BACKENDS)}")
+    return value
 
 
 def flashinfer_available() -> bool:
@@ -65,17 +81,20 @@ class FlashinferBackend:
         self._wrappers: dict[tuple[str, str, bool], Any] = {}
         self._active: Any = None
         self._plan: AttentionPlan | None = None
+        self.implementation = flashinfer_backend_choice()
 
     def _wrapper(self, kind: str, layout: str, tensor_cores: bool) -> Any:
         key = (kind, layout, tensor_cores)
         if key not in self._wrappers:
             if kind == "decode":
+                # Only the tensor-core decode runs the prefill kernels that the choice names.
+                backend = self.implementation if tensor_cores else "auto"
                 self._wrappers[key] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, layout, use_tensor_cores=tensor_cores
+                    self._workspace, layout, use_tensor_cores=tensor_cores, backend=backend
                 )
             else:
                 self._wrappers[key] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace, layout
+                    self._workspace, layout, backend=self.implementation
                 )
         return self._wrappers[key]
 

@@ -95,6 +95,15 @@ def test_copy_blocks_rejects_mismatched_pools() -> None:
         copy_blocks(pool(), pool(layout="HND"), [0], [0])
 
 
+def test_copy_blocks_names_the_ways_across_the_link() -> None:
+    src, dst = pool(), pool()
+    before = dst.clone()
+    with pytest.raises(ValueError, match="via: must be auto, direct or staged"):
+        copy_blocks(src, dst, [0], [1], via="dma")  # type: ignore[arg-type]
+    assert torch.equal(dst, before)
+    assert copy_module.device_alias(src, torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize(("layout", "token_dim"), [("NHD", 3), ("HND", 4)])
 def test_copy_block_prefixes_copies_only_leading_tokens(layout: str, token_dim: int) -> None:
     p = pool(layout=layout, dtype=torch.float8_e4m3fn)

@@ -19,6 +19,7 @@ from kvpool_kernels import (
     reference_attention,
 )
 from kvpool_kernels.attention import Backend
+from kvpool_kernels.copy import device_alias
 from kvpool_kernels.flashinfer_backend import flashinfer_available
 
 needs_flashinfer = pytest.mark.skipif(not flashinfer_available(), reason="needs CUDA + flashinfer")
@@ -46,6 +47,20 @@ def test_importing_the_kernels_does_not_import_flashinfer() -> None:
     if torch.cuda.is_available():
         pytest.skip("on CUDA machines auto may legitimately load flashinfer")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_flashinfer_implementation_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvpool_kernels.flashinfer_backend import BACKEND_ENV, flashinfer_backend_choice
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert flashinfer_backend_choice() == "auto"
+    monkeypatch.setenv(BACKEND_ENV, "fa2")
+    assert flashinfer_backend_choice() == "fa2"
+    monkeypatch.setenv(BACKEND_ENV, "fa4")
+    with pytest.raises(ValueError, match="KVPOOL_FLASHINFER_BACKEND='fa4': allowed values are"):
+        flashinfer_backend_choice()
 
 
 def _plan_and_run(backend: Backend, b: PagedBatch, case: dict) -> torch.Tensor:
@@ -150,16 +165,21 @@ def test_append_matches_flashinfer_append_exactly(layout: str, dtype: torch.dtyp
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("via", ["direct", "staged"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_offload_onboard_and_device_copies_are_bit_exact(dtype: torch.dtype) -> None:
+def test_offload_onboard_and_device_copies_are_bit_exact(dtype: torch.dtype, via: str) -> None:
     dev = torch.randn(4, 64, 2, 16, 8, 128, device="cuda").to(dtype)
     host = new_pool(4, 32, 16, 8, 128, dtype=dtype, pin_memory=True)
+    host.view(torch.uint8).fill_(0x55)
+    before = host.clone()
     ids = [5, 63, 0, 17, 40]
-    copy_blocks(dev, host, ids, [1, 2, 3, 30, 31])  # offload
+    copy_blocks(dev, host, ids, [1, 2, 3, 30, 31], via=via)  # type: ignore[arg-type]
     offloaded = host[:, [1, 2, 3, 30, 31]].view(torch.uint8)
     assert torch.equal(offloaded, dev[:, ids].cpu().view(torch.uint8))
+    others = [i for i in range(32) if i not in (1, 2, 3, 30, 31)]
+    assert torch.equal(host[:, others].view(torch.uint8), before[:, others].view(torch.uint8))
     back = torch.zeros_like(dev)
-    copy_blocks(host, back, [1, 2, 3, 30, 31], ids)  # onboard
+    copy_blocks(host, back, [1, 2, 3, 30, 31], ids, via=via)  # type: ignore[arg-type]
     torch.cuda.synchronize()
     assert torch.equal(back[:, ids].view(torch.uint8), dev[:, ids].view(torch.uint8))
     before = dev.clone()
@@ -178,3 +198,38 @@ def test_reference_runs_on_cuda() -> None:
     out = attn.run(b.q, b.cache)
     cpu = reference_attention(b.q.cpu(), b.cache.cpu(), plan)
     torch.testing.assert_close(out.cpu(), cpu, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
+def test_a_plan_for_device_cuda_runs_on_tensors_of_the_current_device(backend: Backend) -> None:
+    """``device="cuda"`` (no index, as users write it) plans for the current device, whose
+    tensors say ``cuda:0``: run accepts them."""
+    b = make_batch([40, 7], [1, 1], page_size=16, num_qo_heads=32, num_kv_heads=8,
+                   head_dim=128, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+                   device="cuda")  # fmt: skip
+    attn = PagedAttention(backend=backend)
+    t = b.table
+    attn.plan(b.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_last_page_len, 32, 8, 128,
+              16, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    out = attn.run(b.q, b.cache)
+    assert out.device == b.q.device and out.shape == b.q.shape
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_pinned_pool_view_is_aliased_in_place_on_the_device() -> None:
+    """``device_alias`` gives a CUDA tensor over the very bytes of a pinned (strided) view:
+    a GPU write lands in host memory; pageable memory gets no alias."""
+    arena = torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=True)
+    view = arena[4096:].view(torch.bfloat16).view(2, -1)[:, 8:24]
+    alias = device_alias(view, torch.device("cuda"))
+    assert alias is not None and alias.device.type == "cuda" and alias.shape == view.shape
+    alias.fill_(1.5)
+    torch.cuda.synchronize()
+    assert bool((view == 1.5).all()) and int((arena != 0).sum()) == 2 * 16 * 2
+    assert device_alias(torch.zeros(16), torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="not pinned"):
+        copy_blocks(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8, device="cuda"), [0], [1],
+                    via="direct")  # fmt: skip

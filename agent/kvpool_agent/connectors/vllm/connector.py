@@ -58,6 +58,7 @@ from kvpool_agent.connectors.vllm.layerwise import (
     LayerSave,
     LoadItem,
     SavePart,
+    scatter_layer,
 )
 from kvpool_agent.connectors.vllm.layout import BlockLayout
 from kvpool_agent.dataplane.client import (
@@ -463,6 +464,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             timeout_s=self.settings.transfer_timeout_s,
             stats=self.stats,
             on_chunk=self._load_chunk_landed,
+            pin_memory=self._views[0].device.type == "cuda",
         )
         self._loading = job
         if not job.pending:
@@ -505,8 +507,7 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _scatter_layer(self, layer: int, index: torch.Tensor, kv: torch.Tensor) -> None:
         """Write one layer of landed blocks (``[n, 2, bs, heads, dim]``) into vLLM's pages."""
-        view = self._views[layer]
-        view.index_copy_(0, index, kv.to(view.device, non_blocking=True))
+        scatter_layer(self._views[layer], index, kv)
 
     def _finish_load(self) -> set[str]:
         """The step's loads, settled: failed blocks queued for vLLM; the failed requests."""

@@ -90,8 +90,12 @@ class LayerLoad:
         timeout_s: float,
         stats: ConnectorStats,
         on_chunk: Callable[[int], object] | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self.items = items
+        self.pin_memory = pin_memory
+        """Read into page-locked buffers (pages on a GPU: uploads then run at DMA speed and
+        do not wait for the host)."""
         self.layers = layers
         self.chunks = layer_chunks(layers, chunks)
         self.chunk_of = [c for c, (lo, hi) in enumerate(self.chunks) for _ in range(lo, hi)]
@@ -126,7 +130,8 @@ class LayerLoad:
                 return
             for item in self.items:
                 if item.count > 0 and item.lease is not None:
-                    item.kv = client.geometry(item.lease.replica).empty_kv(item.count)[0]
+                    geometry = client.geometry(item.lease.replica)
+                    item.kv = geometry.empty_kv(item.count, pin_memory=self.pin_memory)[0]
             failed: set[int] = set()
             for c, (lo, hi) in enumerate(self.chunks):
                 for i, item in enumerate(self.items):
@@ -206,6 +211,14 @@ class LayerLoad:
         if self.pending:
             out.untaken_layers = untaken
         return out
+
+
+def scatter_layer(view: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> None:
+    """Write one layer of landed blocks (``kv``: ``[n, 2, bs, heads, dim]`` in host memory)
+    into the pages ``view`` at ``index``. On a GPU the upload is queued on the current
+    stream, so the layer's attention, queued after it, reads the loaded blocks; a pinned
+    ``kv`` stays alive until the copy has run (torch's pinned allocator records its use)."""
+    view.index_copy_(0, index, kv.to(view.device, non_blocking=True))
 
 
 @dataclass
