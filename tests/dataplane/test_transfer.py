@@ -321,6 +321,9 @@ def test_a_lease_ttl_is_bounded_and_leases_count_as_open_sequences(auth_agent: A
         assert err.value.status == 429
         with pytest.raises(TransferError):
             client.put(NS, keys_for(12, 1), random_kv(client, 1, 12))
+        # A chain the cache holds whole needs nothing admitted: stored 0, not 429.
+        again = client.put(NS, keys, random_kv(client, 2, 11))
+        assert (again.stored, again.resident) == (0, 2)
         for lease in leases:
             assert lease is not None
             client.release(lease)
