@@ -176,10 +176,15 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor | Non
     memory is not pinned or CUDA cannot map it. The alias must not outlive ``host``."""
     if device.type != "cuda" or not torch.cuda.is_available() or not host.is_pinned():
         return None
+    memory = _HostMemory(host)
     try:
-        raw = torch.as_tensor(_HostMemory(host), device=device)
+        raw = torch.as_tensor(memory, device=device)
         typed = raw.view(host.dtype)
     except (RuntimeError, TypeError, ValueError):
+        return None
+    if raw.data_ptr() != memory.__cuda_array_interface__["data"][0]:
+        # CUDA placed the memory on another device (pinned in another device's context), and
+        # torch copied it over: a copy is no alias, so writes would never reach the host.
         return None
     return typed.as_strided(host.shape, host.stride(), host.storage_offset())
 
