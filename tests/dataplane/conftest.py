@@ -165,6 +165,28 @@ def keys_for(tag: int, n: int) -> list[bytes]:
     return out
 
 
+def round_trip_six_blocks(client: TransferClient) -> None:
+    """PUT a chain of six random blocks, look it up, lease it, GET it whole and a sub-range
+    of blocks and layers, compare, release (the data plane's basic round trip)."""
+    keys = keys_for(1, 6)
+    kv = random_kv(client, 6, seed=1)
+    assert client.lookup(NS, keys) == []
+    result = client.put(NS, keys, kv)
+    assert (result.stored, result.resident) == (6, 0)
+    assert client.lookup(NS, keys) == ["primary"] * 6
+    lease = client.lease(NS, keys, ttl_s=30)
+    assert lease is not None and lease.count == 6 and lease.first_block == [0]
+    out = client.empty_kv(6)
+    client.get_into(lease, out)
+    assert torch.equal(out[0], kv[0])
+    # A sub-range of blocks and of layers.
+    part = client.empty_kv(3, layers=(1, 2))
+    client.get_into(lease, part, start=2, count=3, layers=(1, 2))
+    assert torch.equal(part[0], kv[0][1:2, 2:5])
+    client.release(lease)
+    client.release(lease)  # gone already: counts as released
+
+
 def random_kv(client: TransferClient, blocks: int, seed: int) -> list[torch.Tensor]:
     geo = client.geometry()
     g = torch.Generator().manual_seed(seed)

@@ -20,7 +20,17 @@ import yaml
 from kvpool_agent.dataplane.client import TORCH_DTYPES
 from kvpool_agent.dataplane.shm import ShmClient
 
-from .conftest import NS, TOKENS, TPB, Agent, agent_config, keys_for, random_kv, write_auth
+from .conftest import (
+    NS,
+    TOKENS,
+    TPB,
+    Agent,
+    agent_config,
+    keys_for,
+    random_kv,
+    round_trip_six_blocks,
+    write_auth,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,19 +74,7 @@ def test_the_agent_sizes_its_cuda_tier_from_max_tokens(cuda_agent: Agent) -> Non
 
 def test_tcp_round_trips_random_kv_through_a_cuda_pool(cuda_agent: Agent) -> None:
     with cuda_agent.client() as client:
-        keys = keys_for(1, 6)
-        kv = random_kv(client, 6, seed=1)
-        assert client.put(NS, keys, kv).stored == 6
-        assert client.lookup(NS, keys) == ["primary"] * 6
-        lease = client.lease(NS, keys, ttl_s=30)
-        assert lease is not None and lease.count == 6
-        out = client.empty_kv(6)
-        client.get_into(lease, out)
-        assert torch.equal(out[0], kv[0])
-        part = client.empty_kv(3, layers=(1, 2))
-        client.get_into(lease, part, start=2, count=3, layers=(1, 2))
-        assert torch.equal(part[0], kv[0][1:2, 2:5])
-        client.release(lease)
+        round_trip_six_blocks(client)
 
 
 def test_blocks_the_cuda_tier_evicts_come_back_bit_exact_from_the_host_tier(

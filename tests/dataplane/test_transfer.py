@@ -19,7 +19,17 @@ from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.dataplane.protocol import F_ERROR, Op, data_bytes, frame
 from kvpool_agent.server.metrics import AgentMetrics
 
-from .conftest import NS, PEER, TOKENS, Agent, Raw, agent_config, keys_for, random_kv
+from .conftest import (
+    NS,
+    PEER,
+    TOKENS,
+    Agent,
+    Raw,
+    agent_config,
+    keys_for,
+    random_kv,
+    round_trip_six_blocks,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("data_path")]
 
@@ -37,23 +47,7 @@ def used(agent: Agent) -> int:
 
 def test_put_then_get_round_trips_random_kv(agent: Agent) -> None:
     with agent.client() as client:
-        keys = keys_for(1, 6)
-        kv = random_kv(client, 6, seed=1)
-        assert client.lookup(NS, keys) == []
-        result = client.put(NS, keys, kv)
-        assert (result.stored, result.resident) == (6, 0)
-        assert client.lookup(NS, keys) == ["primary"] * 6
-        lease = client.lease(NS, keys, ttl_s=30)
-        assert lease is not None and lease.count == 6 and lease.first_block == [0]
-        out = client.empty_kv(6)
-        client.get_into(lease, out)
-        assert torch.equal(out[0], kv[0])
-        # A sub-range of blocks and of layers.
-        part = client.empty_kv(3, layers=(1, 2))
-        client.get_into(lease, part, start=2, count=3, layers=(1, 2))
-        assert torch.equal(part[0], kv[0][1:2, 2:5])
-        client.release(lease)
-        client.release(lease)  # gone already: counts as released
+        round_trip_six_blocks(client)
     assert pinned(agent) == 0
 
 
