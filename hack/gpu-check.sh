@@ -2,14 +2,12 @@
 # kvpool's GPU checks, in one run on a CUDA machine that has no network (the device machine
 # of the development workplace: Python 3.12, torch with CUDA, nvcc and ninja in its image).
 #
-# What the machine lacks travels in .whl/ (ignored by git), made on a machine with PyPI:
-#   - wheels of the runtime dependencies the image lacks, for cp312 (pydantic, fastapi, ...),
-#     and of the compiled core built abi3 (`maturin build --release -m agent/native/Cargo.toml
-#     --features python,pyo3/abi3-py311`), so one wheel serves the machine's Python;
-#   - flashinfer-python as its unpacked tree in a tar.xz (the wheel alone is 59 MiB), and
-#     apache-tvm-ffi's wheel;
-#   - optionally fi-jit.tar.xz: flashinfer modules an earlier run compiled (its output), laid
-#     out as flashinfer's AOT directory, so they are not compiled again.
+# What the machine lacks travels in .whl/ (ignored by git), which hack/gpu-wheels.sh fills on a
+# machine with PyPI: cp312 wheels of the runtime dependencies the image lacks, the compiled
+# core built abi3, flashinfer's unpacked tree as a tar.xz and apache-tvm-ffi. Optionally
+# .whl/fi-jit.tar.xz: the flashinfer modules an earlier run compiled (its $OUT/fi-jit.tar.xz),
+# laid out as flashinfer's AOT directory, so they are not compiled again (about 3 minutes of
+# compiling on 16 cores for the FA2 variants the tests use).
 # Steps run in order of what matters most, each under its own time limit, and a failed step
 # does not stop the next; results go to $OUT/res, logs to $OUT/logs.tar.gz and the compiled
 # flashinfer modules to $OUT/fi-jit.tar.xz ($OUT defaults to /tmp/kvpool-gpu).
