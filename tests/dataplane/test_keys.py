@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool_agent.cache import KVCacheManager
+from kvpool_agent.cache.packed import pack_all
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
 from kvpool_agent.dataplane.keys import (
     KeyFormatError,
@@ -28,12 +29,13 @@ TPB = 4
 
 
 @pytest.mark.parametrize("tpb", [2, 4, 8, 16, 64])
-def test_a_key_maps_to_one_block_of_63_bit_tokens(tpb: int) -> None:
+def test_a_key_maps_to_one_block_of_32_bit_tokens(tpb: int) -> None:
     tokens = block_tokens(b"\x01" * 32, tpb)
     assert len(tokens) == tpb
-    words = min(tpb, 8)
-    assert all(0 <= t < 1 << 63 for t in tokens)
-    assert all(t != 0 for t in tokens[:words])  # digest words (zero with odds 2**-63)
+    words = min(tpb, 16)
+    assert all(0 <= t < 1 << 32 for t in tokens)  # what the engine packs, 4 bytes each
+    assert pack_all(tokens) is not None
+    assert all(t != 0 for t in tokens[:words])  # digest words (zero with odds 2**-32)
     assert tokens[words:] == [0] * (tpb - words)
     assert block_tokens(b"\x01" * 32, tpb) == tokens  # deterministic
     assert chain_tokens([b"a", b"b"], tpb) == block_tokens(b"a", tpb) + block_tokens(b"b", tpb)

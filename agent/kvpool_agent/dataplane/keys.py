@@ -6,18 +6,21 @@ scoped by a ``KeyNamespace`` (model id, parallel rank, layer group) and by the c
 tenant. The engine (``KVCacheManager``) knows only token ids, so each key stands for one
 block of *synthetic tokens* derived from the key, and the namespace for a cache salt:
 
-- **tokens of a key**: ``w = min(tokens_per_block, 8)`` words of one BLAKE2b digest of the
-  key (``8 * w`` bytes, personalised ``kvpool-key-v1``), each read little-endian and shifted
-  right by one bit, so each is a 63-bit token id (the engine, the HTTP API and snapshots take
-  ids below 2**63); the rest of the block is filler token 0. A chain of keys is the
+- **tokens of a key**: ``w = min(tokens_per_block, 16)`` words of one BLAKE2b digest of the
+  key (``4 * w`` bytes, personalised ``kvpool-key-v2``), each read little-endian as a 32-bit
+  token id; the rest of the block is filler token 0. Token ids below 2**32 are what the
+  engine packs (4 bytes each, one compiled pass), so an engine-keyed block costs what a
+  block of real tokens costs (``kvpool-key-v1`` used 63-bit words, which the engine keeps
+  in a side table: a third more memory and time per block). A chain of keys is the
   concatenation of its blocks' tokens, so the radix tree's parent relation is the list order
   (vLLM's and SGLang's hashes are chained already: each commits to its parent, so the tree
   adds nothing wrong, and a key under another parent is simply another node).
 - **collision odds**: two different keys under the same parent in one namespace share a block
-  only if all ``w`` words agree: 2**-(63 w) for a pair, at least 2**-126 since
-  ``tokens_per_block`` is a power of two >= 2 (2**-504 from 8 tokens per block on). Over ``N``
-  stored blocks the chance of any collision is below ``N**2 / 2**127`` (below 2**-47 for a
-  trillion blocks). The key's own collision odds (the engine's hash) come on top.
+  only if all ``w`` words agree: 2**-(32 w) for a pair of siblings, 2**-64 at 2 tokens per
+  block, 2**-128 at 4, 2**-512 from 16 on. Over ``N`` stored blocks of which at most ``S``
+  share a parent, the chance of any collision is below ``N * S / 2**(32 w + 1)`` (below
+  2**-79 for a trillion blocks with a thousand siblings each, at 4 tokens per block). The
+  key's own collision odds (the engine's hash) come on top.
 - **namespace**: ``KeyNamespace.salt()`` is a cache salt ``<US>keys<US>model<US>rank<US>group``
   (``<US>`` = ``\\x1f``), which the agent passes through ``service.tenant_salt(tenant, ...)``:
   the tenant, not the client, decides the tree, so two tenants sending the same keys never
@@ -62,10 +65,10 @@ MAX_KEY_BYTES = 64
 MAX_MODEL_CHARS = 256
 MAX_RANK = (1 << 32) - 1
 MAX_LAYER_GROUP = (1 << 32) - 1
-DIGEST_WORDS = 8
-"""Most 63-bit digest words a block carries (64 bytes of BLAKE2b)."""
+DIGEST_WORDS = 16
+"""Most 32-bit digest words a block carries (64 bytes of BLAKE2b)."""
 FILLER_TOKEN = 0
-_PERSON = b"kvpool-key-v1"
+_PERSON = b"kvpool-key-v2"
 _SEP = "\x1f"
 KEYS_SALT_PREFIX = f"{_SEP}keys{_SEP}"
 """How ``KeyNamespace.salt`` marks an engine-keyed namespace."""
@@ -121,8 +124,8 @@ def check_keys(keys: Sequence[bytes], max_keys: int) -> list[bytes]:
 def block_tokens(key: bytes, tokens_per_block: int) -> list[int]:
     """The synthetic tokens of one key's block (see the module docstring)."""
     words = min(tokens_per_block, DIGEST_WORDS)
-    digest = hashlib.blake2b(bytes(key), digest_size=8 * words, person=_PERSON).digest()
-    head = [w >> 1 for w in struct.unpack(f"<{words}Q", digest)]
+    digest = hashlib.blake2b(bytes(key), digest_size=4 * words, person=_PERSON).digest()
+    head = list(struct.unpack(f"<{words}I", digest))
     return head + [FILLER_TOKEN] * (tokens_per_block - words)
 
 
@@ -145,9 +148,9 @@ def chain_tokens(keys: Sequence[bytes], tokens_per_block: int) -> list[int]:
     n = len(keys)
     words = min(tokens_per_block, DIGEST_WORDS)
     blake2b = hashlib.blake2b
-    digests = b"".join([blake2b(k, digest_size=8 * words, person=_PERSON).digest() for k in keys])
-    table = np.zeros((n, tokens_per_block), dtype=np.uint64)
-    table[:, :words] = np.frombuffer(digests, dtype="<u8").reshape(n, words) >> np.uint64(1)
+    digests = b"".join([blake2b(k, digest_size=4 * words, person=_PERSON).digest() for k in keys])
+    table = np.zeros((n, tokens_per_block), dtype=np.uint32)
+    table[:, :words] = np.frombuffer(digests, dtype="<u4").reshape(n, words)
     out: list[int] = table.ravel().tolist()
     if len(cache) + n > CACHE_KEYS:  # keep the newer half
         kept = list(cache.items())[len(cache) // 2 :] if n < CACHE_KEYS // 2 else []
