@@ -50,8 +50,9 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> Option<Bound
 }
 
 /// Whether a list or tuple holds only token ids: `int`s (exactly) in `[0, 2**63)`. The check
-/// `pack_tokens` leaves to the caller when some id needs more than 32 bits (the data plane's
-/// synthetic tokens all do); False sends the caller the slow way, which says what is wrong.
+/// `pack_tokens` leaves to the caller when some id needs more than 32 bits (no tokenizer emits
+/// one, but the API takes ids below 2**63); False sends the caller the slow way, which says
+/// what is wrong.
 #[pyfunction]
 fn tokens_valid(tokens: &Bound<'_, PyAny>) -> bool {
     fn valid<'py>(mut items: impl Iterator<Item = Bound<'py, PyAny>>) -> bool {
