@@ -11,7 +11,8 @@ block of *synthetic tokens* derived from the key, and the namespace for a cache 
   token id; the rest of the block is filler token 0. Token ids below 2**32 are what the
   engine packs (4 bytes each, one compiled pass), so an engine-keyed block costs what a
   block of real tokens costs (``kvpool-key-v1`` used 63-bit words, which the engine keeps
-  in a side table: a third more memory and time per block). A chain of keys is the
+  in a side table: about 160 B more per block and up to twice the time to store one;
+  ``bench/engine_keys.py``). A chain of keys is the
   concatenation of its blocks' tokens, so the radix tree's parent relation is the list order
   (vLLM's and SGLang's hashes are chained already: each commits to its parent, so the tree
   adds nothing wrong, and a key under another parent is simply another node).
