@@ -12,8 +12,10 @@
 # does not stop the next; results go to $OUT/res, logs to $OUT/logs.tar.gz and the compiled
 # flashinfer modules to $OUT/fi-jit.tar.xz ($OUT defaults to /tmp/kvpool-gpu).
 #
-#   hack/gpu-check.sh            # everything
+#   hack/gpu-check.sh            # tests, bench-connector, kernels, bench-kernels
 #   GPU_CHECK_STEPS="tests bench-connector" hack/gpu-check.sh
+#   GPU_CHECK_STEPS="kernels-fa3" hack/gpu-check.sh   # FA3 against the reference (not yet
+#                                                      # passed: about 5 minutes of compiling)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/kvpool-gpu}"
@@ -26,7 +28,7 @@ export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 # needs minutes more), and the kernel tests' four workers compile variants side by side.
 export MAX_JOBS="${MAX_JOBS:-6}"
 
-step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log
+step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/logs/NAME.log
   local name="$1" limit="$2" start rc
   shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -65,6 +67,10 @@ step bench-connector 70 python3 bench/connector_gpu.py --out "$OUT/res"
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 # shellcheck disable=SC2086
 step kernels 150 python3 -m pytest -m gpu -p no:cacheprovider -q $workers tests/kernels tests/model
+# 3b. The same with flashinfer's own choice (FA3 on Hopper); opt-in, see the header.
+# shellcheck disable=SC2086
+step kernels-fa3 480 env KVPOOL_FLASHINFER_BACKEND=auto \
+  python3 -m pytest -m gpu -p no:cacheprovider -q $workers tests/kernels tests/model
 # 4. Decode bandwidth and block copies.
 step bench-kernels 110 python3 bench/kernels.py --out "$OUT/res" --iters 10 \
   --batches 1 16 64 256 --contexts 1024 4096 16384
