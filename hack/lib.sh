@@ -6,6 +6,7 @@
 #                    ~/.cache/kvpool), the dev tooling (devtools/: `kvpool-dev`, never
 #                    shipped), activated, and the dev cluster binaries (built once from the Go
 #                    module proxy, cached under ~/.cache/kvpool)
+# kvpool::check_disk stop early, with the reason, when the disk cannot hold the set-up
 # kvpool::native     (re)build and install the compiled engine core into the virtualenv
 # kvpool::step NAME CMD...   run CMD, print its wall time, remember it for kvpool::timings
 # kvpool::timings    print every step's time
@@ -29,6 +30,22 @@ kvpool::setup() {
   python -m pip install --quiet -e '.[dev]' -e ./devtools
   kvpool::native
   kvpool-dev cluster build
+}
+
+kvpool::check_disk() {
+  # Each virtualenv is about 6 GiB (PyPI's torch brings its CUDA libraries even on CPU), the
+  # caches and test temporaries a few more: a fresh clone needs about 16 GiB. Without it pip
+  # fails half-way with ENOSPC, far from the cause; this says it first.
+  local need=3 free
+  [ -x "${KVPOOL_VENV:-.venv}/bin/python" ] || need=$((need + 7))
+  [ -d "${KVPOOL_VLLM_VENV:-.venv-vllm}" ] || need=$((need + 7))
+  free=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+  if [ "$free" -lt "$need" ]; then
+    echo "kvpool: $free GiB free on $(df -P . | awk 'NR == 2 { print $6 }'), the set-up needs about $need GiB" \
+      "(two virtualenvs with torch, ~7 GiB each, and the caches): free some space first" \
+      "(old clones under /tmp?)" >&2
+    return 1
+  fi
 }
 
 kvpool::native() {
