@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool_agent.cache import KVCacheManager
@@ -48,21 +48,52 @@ def test_distinct_keys_get_distinct_blocks(keys: list[bytes]) -> None:
     assert len(blocks) == len(keys)
 
 
-@settings(max_examples=100, deadline=None)
+@pytest.fixture(params=["compiled", "python"])
+def chain_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``chain_tokens`` through the compiled core's digests, or through Python's alone."""
+    from kvpool_agent.dataplane import keys as keys_module
+
+    if request.param == "python":
+        monkeypatch.setattr(keys_module, "_fast_chain", None)
+    elif keys_module._fast_chain is None:
+        pytest.skip("the compiled core (kvpool_native) is not installed")
+    return str(request.param)
+
+
+# The fixture's path holds for every example; nothing else of it needs resetting.
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=40),
-    st.sampled_from([2, 4, 8, 16, 64]),
+    st.sampled_from([1, 2, 3, 4, 8, 16, 17, 64]),
 )
-def test_chain_tokens_are_the_keys_blocks_in_order(keys: list[bytes], tpb: int) -> None:
+def test_chain_tokens_are_the_keys_blocks_in_order(
+    chain_path: str, keys: list[bytes], tpb: int
+) -> None:
+    # block_tokens is hashlib's BLAKE2b, one key at a time: the specification of both paths.
     want = [t for key in keys for t in block_tokens(key, tpb)]
     assert chain_tokens(keys, tpb) == want  # computed
-    assert chain_tokens(keys, tpb) == want  # remembered
+    assert chain_tokens(keys, tpb) == want  # remembered (Python) or computed again
     assert chain_tokens(keys[::-1], tpb) == [t for k in keys[::-1] for t in block_tokens(k, tpb)]
+    assert chain_tokens(tuple(keys), tpb) == want  # a tuple takes the Python path
+
+
+def test_compiled_chain_tokens_refuses_what_it_cannot_digest() -> None:
+    native = pytest.importorskip("kvpool_native")
+    with pytest.raises(TypeError):
+        native.chain_tokens([b"a", "b"], 4, b"p")
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        native.chain_tokens([b"a"], 0, b"p")
+    with pytest.raises(ValueError, match="person"):
+        native.chain_tokens([b"a"], 4, b"p" * 17)
+    assert native.chain_tokens([], 4, b"p") == []
 
 
 def test_chain_tokens_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpool_agent.dataplane import keys as keys_module
 
+    monkeypatch.setattr(keys_module, "_fast_chain", None)  # the cache is the Python path's
     monkeypatch.setattr(keys_module, "CACHE_KEYS", 16)
     monkeypatch.setattr(keys_module, "_blocks", {})
     for tag in range(20):

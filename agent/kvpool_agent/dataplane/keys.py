@@ -130,15 +130,29 @@ def block_tokens(key: bytes, tokens_per_block: int) -> list[int]:
     return head + [FILLER_TOKEN] * (tokens_per_block - words)
 
 
+try:
+    from kvpool_native import chain_tokens as _fast_chain
+except ImportError:  # the compiled core is optional
+    _fast_chain = None
+
 CACHE_KEYS = 1 << 16
-"""Keys whose blocks ``chain_tokens`` remembers (per ``tokens_per_block``)."""
+"""Keys whose blocks ``chain_tokens`` remembers (per ``tokens_per_block``), without the
+compiled core."""
 _blocks: dict[int, dict[bytes, tuple[int, ...]]] = {}
 
 
 def chain_tokens(keys: Sequence[bytes], tokens_per_block: int) -> list[int]:
     """The synthetic tokens of a chain: its blocks' tokens, first block first (``block_tokens``
-    of each key). A chain whose keys were all seen lately comes from a cache of 65,536 keys;
-    any other is computed whole, one digest per key and the words in one array pass."""
+    of each key). With the compiled core, its ``chain_tokens`` digests the keys four at a time
+    (about 0.1 µs a key, no cache needed). Without it, a chain whose keys were all seen lately
+    comes from a cache of 65,536 keys; any other is computed whole, one digest per key and the
+    words in one array pass (about 2 µs a key)."""
+    if _fast_chain is not None and type(keys) is list:
+        return _fast_chain(keys, tokens_per_block, _PERSON)
+    return _python_chain_tokens(keys, tokens_per_block)
+
+
+def _python_chain_tokens(keys: Sequence[bytes], tokens_per_block: int) -> list[int]:
     cache = _blocks.get(tokens_per_block)
     if cache is None:
         cache = _blocks[tokens_per_block] = {}

@@ -12,5 +12,6 @@ fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::curves::py::register(m)?;
     crate::copy::py::register(m)?;
     crate::wire::py::register(m)?;
+    crate::keys::py::register(m)?;
     Ok(())
 }

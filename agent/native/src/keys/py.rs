@@ -1,0 +1,37 @@
+//! `kvpool_native.chain_tokens`: the compiled twin of `dataplane.keys.chain_tokens`.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use super::MAX_PERSON_BYTES;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(chain_tokens, m)?)?;
+    Ok(())
+}
+
+/// The synthetic tokens of a chain of engine keys (a list of `bytes`), as a list of ints:
+/// `tokens_per_block` per key, first key first. The caller has checked the keys
+/// (`check_keys`); a non-`bytes` item is a TypeError here.
+#[pyfunction]
+fn chain_tokens<'py>(
+    py: Python<'py>,
+    keys: &Bound<'py, PyList>,
+    tokens_per_block: usize,
+    person: &[u8],
+) -> PyResult<Bound<'py, PyList>> {
+    if tokens_per_block == 0 {
+        return Err(PyValueError::new_err("tokens_per_block: at least 1"));
+    }
+    if person.len() > MAX_PERSON_BYTES {
+        return Err(PyValueError::new_err("person: at most 16 bytes"));
+    }
+    let items: Vec<Bound<'py, PyBytes>> = keys
+        .iter()
+        .map(|k| k.cast_into::<PyBytes>().map_err(PyErr::from))
+        .collect::<PyResult<_>>()?;
+    let views: Vec<&[u8]> = items.iter().map(|b| b.as_bytes()).collect();
+    let tokens = super::chain_tokens(&views, tokens_per_block, person);
+    PyList::new(py, tokens)
+}
