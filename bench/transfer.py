@@ -20,7 +20,9 @@ a Unix socket; ``kvpool_agent.dataplane.shm.ShmClient`` (one per client thread) 
 agent's arena and moves the same bytes by copying (PUT: reserve, copy in, commit; GET:
 GET_SHM names the leased blocks, copy out). Its rows give GB/s and the ratio to a memcpy of
 the same bytes by as many threads, measured in the same rounds (best against best, and the
-median of the per-round ratios).
+median of the per-round ratios). PUT rows also give ``ShmClient.put_many``: four chains a
+call, the next chain reserved while this one is copied and the last one committed meanwhile
+(the agent's per-block work overlapped with the client's copy, as a stream of PUTs can be).
 
 Block payloads: 2 MiB (32 layers x 8 kv heads x 128 dim x 16 tokens x bf16, K and V) and
 128 KiB (16 layers x 1 kv head x 128 dim x 16 tokens x bf16: a tensor-parallel slice).
@@ -132,6 +134,10 @@ class Row:
     memcpy_par_gbps: float
     """memcpy of the same bytes with one thread per client (the shm rows' baseline)."""
     memcpy_par_rounds: list[float]
+    shm_many_gbps: float | None = None
+    """PUT rows: the same-node path with ``ShmClient.put_many`` (``STREAM`` chains a call, the
+    agent's work overlapped with the copies), best round."""
+    shm_many_rounds: list[float] | None = None
 
     @property
     def ratio(self) -> float:
@@ -154,6 +160,14 @@ class Row:
     def shm_paired_ratio(self) -> float:
         """Median over rounds of shared memory / memcpy of the same round (back to back)."""
         pairs = zip(self.shm_rounds, self.memcpy_par_rounds, strict=True)
+        return statistics.median(s / m for s, m in pairs)
+
+    @property
+    def shm_many_paired_ratio(self) -> float | None:
+        """The same for ``put_many`` (PUT rows only)."""
+        if self.shm_many_rounds is None:
+            return None
+        pairs = zip(self.shm_many_rounds, self.memcpy_par_rounds, strict=True)
         return statistics.median(s / m for s, m in pairs)
 
 
@@ -291,8 +305,13 @@ def bench_protocol(
         client.close()
 
 
+STREAM = 4
+"""Chains per ``put_many`` call in the ``put_many`` rounds."""
+
+
 def bench_shm(path: str, op: str, clients: int, blocks: int, seconds: float, run: int) -> float:
-    """The same work as ``bench_protocol`` over the same-node path (a client per thread)."""
+    """The same work as ``bench_protocol`` over the same-node path (a client per thread);
+    ``put_many``: PUTs of ``STREAM`` chains a call, pipelined."""
     shms = [ShmClient(path, timeout=120) for _ in range(clients)]
     geo = shms[0].geometry()
     kv = [torch.randn(geo.kv_shape(p.index, blocks)).to(torch.bfloat16) for p in geo.pools]
@@ -305,6 +324,16 @@ def bench_shm(path: str, op: str, clients: int, blocks: int, seconds: float, run
             counter[i] += 1
             shms[i].put(NS, keys(f"shm-put/{run}/{clients}/{i}/{counter[i]}", blocks), kv)
             return nbytes
+
+    elif op == "put_many":
+
+        def work(i: int) -> int:
+            chains = []
+            for _ in range(STREAM):
+                counter[i] += 1
+                chains.append((keys(f"shm-many/{run}/{clients}/{i}/{counter[i]}", blocks), kv))
+            shms[i].put_many(NS, chains)
+            return STREAM * nbytes
 
     else:
         for i in range(clients):
@@ -458,7 +487,7 @@ def main() -> None:
         block = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * TPB * 2
         blocks = args.blocks * ((2 << 20) // block)  # same bytes per request for both
         plans.append((name, model, block, blocks))
-    steps = len(plans) * 2 * 2 * 4 * args.rounds + 1
+    steps = len(plans) * 2 * (4 + 5) * args.rounds + 1
     with Progress(console=console, transient=True) as bar, tempfile.TemporaryDirectory() as tmp:
         task = bar.add_task("transfer", total=steps)
         for run, (name, model, block, blocks) in enumerate(plans):
@@ -470,7 +499,7 @@ def main() -> None:
             try:
                 for clients in (1, 4):
                     for op in ("put", "get"):
-                        protos, tcps, shms, mems = [], [], [], []
+                        protos, tcps, shms, mems, many = [], [], [], [], []
                         for r in range(args.rounds):
                             bar.update(task, description=f"{name} {op} x{clients}: memcpy")
                             mems.append(bench_memcpy_threads(nbytes, clients, args.seconds) / 1e9)
@@ -488,6 +517,20 @@ def main() -> None:
                                 / 1e9
                             )
                             bar.advance(task)
+                            if op == "put":
+                                bar.update(task, description=f"{name} put_many x{clients}: shm")
+                                many.append(
+                                    bench_shm(
+                                        agent.unix_socket,
+                                        "put_many",
+                                        clients,
+                                        blocks,
+                                        args.seconds,
+                                        run * 100 + r,
+                                    )
+                                    / 1e9
+                                )
+                                bar.advance(task)
                             bar.update(task, description=f"{name} {op} x{clients}: protocol")
                             protos.append(
                                 bench_protocol(
@@ -520,6 +563,8 @@ def main() -> None:
                                 shms,
                                 max(mems),
                                 mems,
+                                max(many) if many else None,
+                                many or None,
                             )
                         )
                 if name == "2MiB":
@@ -536,7 +581,8 @@ def main() -> None:
     )
     for col in ("payload", "op", "clients", "protocol GB/s", "raw TCP GB/s", "memcpy GB/s",
                 "best / best", "paired median", "shm GB/s", "memcpy xN GB/s",
-                "shm / memcpy", "shm paired"):  # fmt: skip
+                "shm / memcpy", "shm paired", "put_many GB/s",
+                "put_many paired"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -552,8 +598,11 @@ def main() -> None:
             f"{r.memcpy_par_gbps:.2f}",
             f"{r.shm_ratio:.2f}",
             f"{r.shm_paired_ratio:.2f}",
+            "" if r.shm_many_gbps is None else f"{r.shm_many_gbps:.2f}",
+            "" if r.shm_many_paired_ratio is None else f"{r.shm_many_paired_ratio:.2f}",
         )
-    console.print(table)
+    # Fourteen columns: wider than a terminal's default, and a log (no terminal) gets 80.
+    Console(width=max(console.width, 180)).print(table)
     rounds = ", ".join(f"{r['p50_ms']:.3f}/{r['p99_ms']:.3f}" for r in lookup["rounds"])
     console.print(
         f"LOOKUP of {lookup['keys']} keys: p50 {lookup['p50_ms']:.3f} ms, "
@@ -569,6 +618,7 @@ def main() -> None:
         "rounds": args.rounds,
         "eviction_policy": args.eviction_policy or "default (mixture)",
         "seconds_per_round": args.seconds,
+        "chains_per_put_many": STREAM,
         "memcpy": memcpy_fn()[0],
         "rows": [
             {
@@ -577,6 +627,7 @@ def main() -> None:
                 "paired_ratio": r.paired_ratio,
                 "shm_ratio": r.shm_ratio,
                 "shm_paired_ratio": r.shm_paired_ratio,
+                "shm_many_paired_ratio": r.shm_many_paired_ratio,
             }
             for r in rows
         ],
@@ -601,12 +652,13 @@ def _plot(rows: list[Row], lookup: dict[str, Any], path: Path) -> None:
         ("raw TCP", "raw_tcp_gbps"),
         ("memcpy", "memcpy_gbps"),
         ("shared memory", "shm_gbps"),
+        ("shared memory, put_many", "shm_many_gbps"),
         ("memcpy (as many threads)", "memcpy_par_gbps"),
     )
-    width = 0.16
+    width = 0.14
     for k, (name, attr) in enumerate(series):
-        heights = [getattr(r, attr) for r in rows]
-        ax.bar([i + (k - 2) * width for i in x], heights, width, label=name)
+        heights = [getattr(r, attr) or 0.0 for r in rows]
+        ax.bar([i + (k - 2.5) * width for i in x], heights, width, label=name)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("GB/s")
     ax.set_title(

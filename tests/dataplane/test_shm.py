@@ -157,6 +157,56 @@ def test_shm_put_extends_a_resident_prefix(shm_agent: ShmAgent) -> None:
         assert torch.equal(out[0], kv[0])
 
 
+def test_put_many_stores_each_chain_as_put_would(shm_agent: ShmAgent) -> None:
+    with shm_agent.shm() as client:
+        chains = [keys_for(40 + i, 3 + i) for i in range(4)]
+        kvs = [random_kv(client, len(keys), seed=40 + i) for i, keys in enumerate(chains)]
+        assert client.put(NS, chains[1][:2], [t[:, :2] for t in kvs[1]]).stored == 2
+        assert client.put(NS, chains[2], kvs[2]).stored == 5
+        results = client.put_many(NS, iter(zip(chains, kvs, strict=True)))
+        # In order; a resident prefix is skipped, a chain held whole costs nothing.
+        assert [(r.stored, r.resident) for r in results] == [(3, 0), (2, 2), (0, 5), (6, 0)]
+        for keys, kv in zip(chains, kvs, strict=True):
+            lease = client.lease(NS, keys)
+            assert lease is not None and lease.count == len(keys)
+            out = client.empty_kv(len(keys))
+            client.get_into(lease, out)
+            client.release(lease)
+            assert torch.equal(out[0], kv[0])
+        assert client.put_many(NS, []) == []
+    assert pinned(shm_agent) == 0 and not shm_agent.service.stores
+
+
+def test_put_many_stops_at_a_failed_copy_and_leaves_nothing_reserved(
+    shm_agent: ShmAgent,
+) -> None:
+    with shm_agent.shm() as client:
+        chains = [keys_for(50 + i, 3) for i in range(4)]
+        kv = random_kv(client, 3, seed=50)
+        bad = [t[:, :2] for t in kv]  # two blocks of data for a chain of three
+        # Chain 1's copy fails after chain 0's commit and chain 2's reservation were sent.
+        with pytest.raises(ValueError, match="kv"):
+            client.put_many(NS, zip(chains, [kv, bad, kv, kv], strict=True))
+        assert client.lookup(NS, chains[0]) == ["primary"] * 3
+        for keys in chains[1:]:
+            assert client.lookup(NS, keys) == []
+        assert pinned(shm_agent) == 0 and not shm_agent.service.stores
+        assert client.put(NS, chains[3], kv).stored == 3  # the connection is still in step
+
+
+def test_put_many_stops_at_a_refused_chain(shm_agent: ShmAgent) -> None:
+    with shm_agent.shm() as client:
+        chains = [keys_for(60, 3), [b"k" * 65, *keys_for(61, 2)], keys_for(62, 3)]
+        kv = random_kv(client, 3, seed=60)
+        with pytest.raises(TransferError) as refused:
+            client.put_many(NS, [(keys, kv) for keys in chains])
+        assert 400 <= refused.value.status < 500 and "keys[0]" in refused.value.reason
+        assert client.lookup(NS, chains[0]) == ["primary"] * 3  # committed before it
+        assert client.lookup(NS, chains[2]) == []  # never sent
+        assert pinned(shm_agent) == 0 and not shm_agent.service.stores
+        assert client.put(NS, chains[2], kv).stored == 3
+
+
 def test_several_pools_round_trip_over_shm(sock_dir: str) -> None:
     config = agent_config(
         model={"num_layers": 3, "num_kv_heads": [2, 4, 2], "head_dim": 8, "dtype": "bfloat16"},

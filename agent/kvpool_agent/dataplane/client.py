@@ -311,9 +311,16 @@ class _Connection:
     ) -> tuple[Header, dict[str, Any]]:
         """Send one request and read its reply (its data into ``into``; file descriptors
         sent with it, over a Unix socket, appended to ``fds``)."""
+        self.sent_any = False
+        rid = self.send(op, meta, data)
+        return self.receive(rid, into, fds)
+
+    def send(self, op: Op, meta: dict[str, Any], data: list[memoryview] | None = None) -> int:
+        """Send one request without reading its reply; returns its id. The agent answers a
+        connection's requests in order, so several may be in flight (``receive`` each, in
+        the order sent)."""
         rid = self.next_id
         self.next_id += 1
-        self.sent_any = False
         data = data or []
         nbytes = sum(len(b) for b in data)
         crc = None
@@ -323,6 +330,16 @@ class _Connection:
                 crc = zlib.crc32(buf, crc)
         try:
             self._send([frame(op, rid, meta, data_len=nbytes, crc=crc), *data])
+        except (OSError, ValueError) as err:
+            raise self._broke(err) from err
+        return rid
+
+    def receive(
+        self, rid: int, into: list[memoryview] | None = None, fds: list[int] | None = None
+    ) -> tuple[Header, dict[str, Any]]:
+        """Read the reply to request ``rid`` (the oldest one not read yet); an error reply
+        is raised as ``TransferError`` (``ChainGapError`` for a gap)."""
+        try:
             if fds is not None:
                 self._recv_fds(fds)
             head = unpack_header(self._recv_bytes(HEADER_SIZE))
@@ -354,11 +371,13 @@ class _Connection:
         except TransferError:
             raise
         except (OSError, ConnectionError, ValueError, struct.error) as err:
-            self.close()
-            why = f"timed out ({self.timeout:g}s)" if isinstance(err, BlockingIOError) else err
-            raise TransferConnectionError(
-                f"{self.replica}: {why}", request_sent=self.sent_any
-            ) from err
+            raise self._broke(err) from err
+
+    def _broke(self, err: BaseException) -> TransferConnectionError:
+        """Close the connection (its state is unknown) and say why."""
+        self.close()
+        why = f"timed out ({self.timeout:g}s)" if isinstance(err, BlockingIOError) else err
+        return TransferConnectionError(f"{self.replica}: {why}", request_sent=self.sent_any)
 
 
 class TransferClient:

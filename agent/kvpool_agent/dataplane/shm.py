@@ -12,6 +12,7 @@ handle). Requests then carry block ids only:
         client.get_into(lease, kv)        # GET_SHM names the blocks; we copy them out
         client.release(lease)             # ends the reads: the blocks may move again
     client.put(ns, keys, new_kv, first=n)  # PUT_SHM reserves, we copy in, COMMIT
+    client.put_many(ns, [(keys_a, kv_a), (keys_b, kv_b)])  # the same, pipelined
 
 Block ids arrive as packed int32. On a CPU agent (a memfd) a read or a write is one compiled
 scatter/gather copy (``kvpool_native.copy_spans``: one piece per layer per block, between the
@@ -31,7 +32,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,20 +351,8 @@ class ShmClient:
         predecessors it must hold: else ``ChainGapError``). They are private until
         ``commit``; uncommitted past ``ttl_s`` (``transfer.lease_ttl_s`` by default) they are
         freed again."""
-        meta = _chain_meta(ns, keys)
-        meta["first"] = first
-        if priority is not None:
-            meta["priority"] = priority
-        if ttl_s is not None:
-            meta["ttl"] = float(ttl_s)
-        reply = self._request(Op.PUT_SHM, meta)
-        return Reservation(
-            store_id=int(reply["store"]),
-            first=first,
-            resident=int(reply["resident"]),
-            blocks=[_ids(raw) for raw in reply["blocks"]],
-            ttl_s=float(reply.get("ttl", 0.0)),
-        )
+        reply = self._request(Op.PUT_SHM, _reserve_meta(ns, keys, first, priority, ttl_s))
+        return _reservation(reply, first)
 
     def write(self, reservation: Reservation, kv: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Copy ``kv`` (blocks ``first..`` of the chain, every layer of every pool, as
@@ -432,6 +422,111 @@ class ShmClient:
                 self.abort(reservation)
             raise
         return self.commit(reservation)
+
+    def put_many(
+        self,
+        ns: KeyNamespace,
+        chains: Iterable[tuple[Sequence[bytes], torch.Tensor | Sequence[torch.Tensor]]],
+        *,
+        priority: int | None = None,
+    ) -> list[PutResult]:
+        """Store several chains, each as ``put`` does (from block 0), with the agent's work
+        overlapped with the copies: the next chain's reservation is asked for before this
+        chain's copy starts, and a commit's reply is read only after the next copy. The agent
+        answers a connection in order and works on one request at a time, so while this
+        thread copies one chain the agent commits the one before and reserves the one after;
+        a stream of PUTs then costs about its copies alone (``bench/transfer.py``: the
+        ``put_many`` column).
+
+        Results are in the order of ``chains`` (which is read lazily, one ahead). The first
+        failure is raised once nothing is in flight: the chains before it are stored, the
+        ones reserved after it are aborted, the rest are not sent."""
+        results: list[PutResult] = []
+        # Requests sent and not answered yet, oldest first: (the chain's data for a
+        # reservation, None for a commit or an abort; request id; the chain's index).
+        inflight: deque[tuple[Any, int, int]] = deque()
+        todo = enumerate(chains)
+
+        def ask() -> None:
+            nxt = next(todo, None)
+            if nxt is not None:
+                i, (keys, kv) = nxt
+                meta = _reserve_meta(ns, keys, 0, priority, None)
+                inflight.append((kv, self._conn.send(Op.PUT_SHM, meta), i))
+                results.append(PutResult(self.path, 0, 0))  # its slot, filled below
+
+        with self._lock:
+            try:
+                ask()
+                while inflight:
+                    kv, rid, i = inflight.popleft()
+                    reply = self._conn.receive(rid)[1]
+                    if kv is None:  # a commit's reply
+                        stored, resident = int(reply["stored"]), int(reply["resident"])
+                        results[i] = PutResult(self.path, stored, resident)
+                        continue
+                    reservation = _reservation(reply, 0)
+                    ask()  # the agent reserves the next chain while this one is copied
+                    if not reservation.store_id:
+                        results[i] = PutResult(self.path, 0, reservation.resident)
+                        continue
+                    try:
+                        self.write(reservation, kv)
+                    except BaseException:
+                        abort = self._conn.send(Op.ABORT, {"store": reservation.store_id})
+                        inflight.append((None, abort, i))  # its reply is read in _settle
+                        raise
+                    commit = self._conn.send(Op.COMMIT, {"store": reservation.store_id})
+                    inflight.append((None, commit, i))
+            except BaseException:
+                self._settle(inflight)
+                raise
+        return results
+
+    def _settle(self, inflight: deque[tuple[Any, int, int]]) -> None:
+        """After a failure in ``put_many``: read what is still in flight (the connection stays
+        usable) and abort the reservations among it. A broken connection needs nothing: the
+        agent aborts a closed connection's reservations itself."""
+        while inflight and not self._conn.broken:
+            kv, rid, _ = inflight.popleft()
+            try:
+                reply = self._conn.receive(rid)[1]
+            except TransferError:
+                continue
+            except TransferConnectionError:
+                return
+            if kv is not None and int(reply.get("store", 0)):  # a reservation: abort it
+                try:
+                    abort = self._conn.send(Op.ABORT, {"store": int(reply["store"])})
+                except TransferConnectionError:
+                    return
+                inflight.append((None, abort, -1))  # read after what was sent before it
+
+
+def _reserve_meta(
+    ns: KeyNamespace,
+    keys: Sequence[bytes],
+    first: int,
+    priority: int | None,
+    ttl_s: float | None,
+) -> dict[str, Any]:
+    meta = _chain_meta(ns, keys)
+    meta["first"] = first
+    if priority is not None:
+        meta["priority"] = priority
+    if ttl_s is not None:
+        meta["ttl"] = float(ttl_s)
+    return meta
+
+
+def _reservation(reply: dict[str, Any], first: int) -> Reservation:
+    return Reservation(
+        store_id=int(reply["store"]),
+        first=first,
+        resident=int(reply["resident"]),
+        blocks=[_ids(raw) for raw in reply["blocks"]],
+        ttl_s=float(reply.get("ttl", 0.0)),
+    )
 
 
 def _chain_meta(ns: KeyNamespace, keys: Sequence[bytes]) -> dict[str, Any]:
