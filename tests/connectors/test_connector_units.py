@@ -24,6 +24,11 @@ def test_settings_refuse_bad_fields_by_name() -> None:
         ConnectorSettings.parse({})
     with pytest.raises(ConnectorConfigError, match="set exactly one"):
         ConnectorSettings.parse({"pool": "p", "replicas": ["h:1"]})
+    with pytest.raises(ConnectorConfigError, match="and `unix_socket`"):
+        ConnectorSettings.parse({"replicas": ["h:1"], "unix_socket": "/run/kvpool/t.sock"})
+    with pytest.raises(ConnectorConfigError, match="unix_socket: String should have at most"):
+        ConnectorSettings.parse({"unix_socket": "/" + "x" * 120})
+    assert ConnectorSettings.parse({"unix_socket": "/run/t.sock"}).unix_socket == "/run/t.sock"
     with pytest.raises(ConnectorConfigError, match=r"lookup_timeout_s: .*greater than 0"):
         ConnectorSettings.parse({"pool": "p", "lookup_timeout_s": 0})
     with pytest.raises(ConnectorConfigError, match="poool: Extra inputs"):
@@ -114,6 +119,8 @@ def test_unknown_backends_and_shapes_are_start_up_errors() -> None:
 
 def test_the_docs_examples_are_valid() -> None:
     text = DOC.read_text()
+    for name in ConnectorSettings.model_fields:  # every setting has its row
+        assert f"\n| `{name}`" in text or f", `{name}` |" in text, name
     config = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))  # type: ignore[union-attr]
     assert config["kv_connector_module_path"] == "kvpool_agent.connectors.vllm"
     assert config["kv_load_failure_policy"] == "recompute"

@@ -36,7 +36,7 @@ from kvpool_agent.dataplane.shm import ShmClient
 from kvpool_agent.server.metrics import AgentMetrics
 from kvpool_agent.server.service import AgentService
 
-from .conftest import NS, TOKENS, Agent, Raw, agent_config, keys_for, random_kv, write_auth
+from .conftest import NS, TOKENS, TPB, Agent, Raw, agent_config, keys_for, random_kv, write_auth
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("data_path")]
 
@@ -205,6 +205,25 @@ def test_put_many_stops_at_a_refused_chain(shm_agent: ShmAgent) -> None:
         assert client.lookup(NS, chains[2]) == []  # never sent
         assert pinned(shm_agent) == 0 and not shm_agent.service.stores
         assert client.put(NS, chains[2], kv).stored == 3
+
+
+def test_a_client_without_the_arena_asks_but_moves_no_kv(shm_agent: ShmAgent) -> None:
+    with shm_agent.shm() as writer:
+        keys = keys_for(70, 3)
+        kv = random_kv(writer, 3, seed=70)
+        writer.put(NS, keys, kv)
+    with shm_agent.shm(map_arena=False) as asker:
+        assert asker.arena is None and asker.geometry().tokens_per_block == TPB
+        assert asker.lookup(NS, keys) == ["primary"] * 3
+        lease = asker.lease(NS, keys)
+        assert lease is not None and lease.count == 3
+        with pytest.raises(ValueError, match="map_arena=False"):
+            asker.get_into(lease, asker.empty_kv(3))
+        with pytest.raises(ValueError, match="map_arena=False"):
+            asker.put(NS, keys_for(71, 2), [t[:, :2] for t in kv])
+        assert not shm_agent.service.stores  # refused before anything was reserved
+        asker.release(lease)
+    assert pinned(shm_agent) == 0
 
 
 def test_several_pools_round_trip_over_shm(sock_dir: str) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,8 +81,11 @@ class Pool:
         return self.agent.metric("kvpool_prefix_cache_hits_tokens_total")
 
 
-def start_pool(tmp: Path, start_agent: Callable[..., AgentProcess]) -> Pool:
-    """A CPU agent of POOL_BLOCKS blocks whose tenants are ``TOKENS``."""
+def start_pool(
+    tmp: Path, start_agent: Callable[..., AgentProcess], unix_socket: str | None = None
+) -> Pool:
+    """A CPU agent of POOL_BLOCKS blocks whose tenants are ``TOKENS`` (also serving the
+    same-node path on ``unix_socket``)."""
     (tmp / "tenants.yaml").write_text(
         yaml.safe_dump({name: token_digest(tok) for name, tok in TOKENS.items()})
     )
@@ -92,7 +97,7 @@ def start_pool(tmp: Path, start_agent: Callable[..., AgentProcess]) -> Pool:
         "cpu_budget_bytes": POOL_BLOCKS * BLOCK_BYTES,
         "events": {"endpoint": None, "replay_endpoint": None},
         "auth": {"tenants_file": str(tmp / "tenants.yaml")},
-        "transfer": {"port": transfer},
+        "transfer": {"port": transfer, "unix_socket": unix_socket},
     }
     config = tmp / "agent.yaml"
     config.write_text(yaml.safe_dump(doc))
@@ -272,6 +277,69 @@ def test_engines_share_kv_through_the_pool_and_a_failing_pool_costs_only_speed(
     assert down["outputs"][0]["num_cached_tokens"] == 0
     assert down["worker_stats"]["loaded_blocks"] == killed["worker_stats"]["loaded_blocks"]
     assert same_outputs(down["outputs"], want_q)
+
+
+def test_engines_share_kv_through_a_same_node_agent(
+    vllm_python: Path,
+    model_dir: Path,
+    baseline: dict[str, Any],
+    tmp_path: Path,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """``unix_socket`` instead of replicas: A's workers copy P's blocks into the agent's
+    arena, a fresh engine B copies Q's prefix out of it (layer by layer), the schedulers ask
+    over the same socket; B's outputs equal the baseline, and no KV byte crossed a socket."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvp-"))  # a socket path has at most 107 bytes
+    (tmp_path / "pool").mkdir()
+    own = start_pool(tmp_path / "pool", start_agent, unix_socket=str(sock_dir / "agent.sock"))
+    same_node = {
+        "module": "faulty",
+        "class": "FaultyConnector",
+        "extra": {"unix_socket": str(sock_dir / "agent.sock"), "lookup_timeout_s": 2.0},
+    }
+    try:
+        store = phase(
+            run_engine(
+                vllm_python,
+                tmp_path,
+                "A-same-node",
+                {
+                    "model": str(model_dir),
+                    "connector": same_node,
+                    "phases": [{"name": "store", "prompts": P}],
+                },
+                token=TOKENS["a"],
+            ),
+            "store",
+        )
+        assert same_outputs(store["outputs"], phase(baseline, "p")["outputs"])
+        assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
+        assert store["worker_stats"]["save_errors"] == 0
+        hit = phase(
+            run_engine(
+                vllm_python,
+                tmp_path,
+                "B-same-node",
+                {
+                    "model": str(model_dir),
+                    "connector": same_node,
+                    "phases": [{"name": "hit", "prompts": Q}],
+                },
+                token=TOKENS["a"],
+            ),
+            "hit",
+        )
+        assert [o["num_cached_tokens"] for o in hit["outputs"]] == [Q_HIT_TOKENS] * 3
+        assert hit["worker_stats"]["loaded_blocks"] == hit["scheduler_stats"]["hit_blocks"] > 0
+        assert hit["worker_stats"]["load_error_blocks"] == 0
+        assert same_outputs(hit["outputs"], phase(baseline, "q")["outputs"])
+        assert_layerwise_loads(hit)
+        # Stored and read through the mapped arena: the transfer port moved no KV.
+        assert own.agent.metric("kvpool_transfer_bytes_total") == 0
+        assert own.hits_tokens() >= hit["worker_stats"]["loaded_blocks"] * BLOCK
+    finally:
+        own.agent.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def assert_layerwise_loads(record: dict[str, Any]) -> None:

@@ -2,10 +2,12 @@
 
 An engine names a pool either by its Kubernetes name (``pool`` and ``namespace``: the
 connector resolves the StatefulSet pods' stable DNS names behind the pool's headless Service,
-``<pool>-<i>.<pool>.<namespace>.svc``, as the operator creates them) or by explicit
-``replicas`` (``HOST:PORT`` of each agent's transfer port). The tenant token comes from a file
-(the ``token`` key of the operator's ``<pool>-tenant-<name>`` Secret, mounted) or an
-environment variable; it is never part of the engine's configuration, which vLLM logs.
+``<pool>-<i>.<pool>.<namespace>.svc``, as the operator creates them), by explicit
+``replicas`` (``HOST:PORT`` of each agent's transfer port), or by the Unix socket of an agent
+on the same node (``unix_socket``: KV then moves by memory copies through the agent's
+arena). The tenant token comes from a file (the ``token`` key of the operator's
+``<pool>-tenant-<name>`` Secret, mounted) or an environment variable; it is never part of the
+engine's configuration, which vLLM logs.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ class ConnectorSettings(BaseModel):
         default=None,
         min_length=1,
         description="Explicit HOST:PORT transfer endpoints (instead of `pool`).",
+    )
+    unix_socket: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=107,
+        description="Instead of `pool` and `replicas`: the socket of an agent on the same node "
+        "(its `transfer.unix_socket`, mounted into the engine's pod). The workers map the "
+        "agent's arena and copy KV in and out themselves; every key goes to that one agent.",
     )
     token_file: str | None = Field(
         default=None, description=f"File holding the tenant token (else ${TOKEN_ENV})."
@@ -122,8 +132,12 @@ class ConnectorSettings(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> ConnectorSettings:
-        if (self.pool is None) == (self.replicas is None):
-            raise ValueError("set exactly one of `pool` (a KVCachePool name) and `replicas`")
+        sources = [self.pool, self.replicas, self.unix_socket]
+        if sum(source is not None for source in sources) != 1:
+            raise ValueError(
+                "set exactly one of `pool` (a KVCachePool name), `replicas` (HOST:PORT list) "
+                "and `unix_socket` (a same-node agent's socket)"
+            )
         for replica in self.replicas or ():
             host, sep, port = replica.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -37,7 +37,7 @@ import time
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -656,6 +656,43 @@ class TransferClient:
 
         out: PutResult = self._ranked(Op.PUT, ns, keys, run, idempotent=False)
         return out
+
+
+class KVClient(Protocol):
+    """What a connector needs of a pool: ``TransferClient`` (the transfer port, any node) and
+    ``ShmClient`` (the same node's agent, through its arena) both are one."""
+
+    def geometry(self, replica: str | None = None) -> Geometry: ...
+
+    def lookup(self, ns: KeyNamespace, keys: Sequence[bytes]) -> list[str]: ...
+
+    def lease(
+        self, ns: KeyNamespace, keys: Sequence[bytes], ttl_s: float | None = None
+    ) -> Lease | None: ...
+
+    def release(self, lease: Lease) -> None: ...
+
+    def get_into(
+        self,
+        lease: Lease,
+        dst: torch.Tensor | Sequence[torch.Tensor | None],
+        *,
+        start: int = 0,
+        count: int | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> None: ...
+
+    def put(
+        self,
+        ns: KeyNamespace,
+        keys: Sequence[bytes],
+        kv: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        first: int = 0,
+        priority: int | None = None,
+    ) -> PutResult: ...
+
+    def close(self) -> None: ...
 
 
 def _chain_meta(ns: KeyNamespace, keys: Sequence[bytes]) -> dict[str, Any]:

@@ -145,7 +145,9 @@ class ShmClient:
 
     ``copy_threads``: threads (the caller's included) that share one copy of 4 MiB or more
     on a CPU arena; 1 (the default) copies on the calling thread only, which is the most a
-    busy node can count on."""
+    busy node can count on. ``map_arena=False``: keys and leases only (``lookup``, ``lease``,
+    ``release``), no MAP: what a connector's scheduler needs, without mapping (and
+    populating) the whole arena in its process."""
 
     def __init__(
         self,
@@ -156,6 +158,7 @@ class ShmClient:
         connect_timeout: float = 10.0,
         cuda: bool = False,
         copy_threads: int = 1,
+        map_arena: bool = True,
     ) -> None:
         self.path = path
         self.copy_threads = max(1, int(copy_threads))
@@ -170,11 +173,16 @@ class ShmClient:
         self._geometry: Geometry = self._conn.geometry
         self._lock = threading.Lock()
         self._mapping: mmap.mmap | None = None
-        try:
-            self.arena = self._map(cuda)
-        except BaseException:
-            self._conn.close()
-            raise
+        self.arena: torch.Tensor | None = None
+        """The agent's arena as a flat uint8 tensor (None without ``map_arena``)."""
+        self.views: list[torch.Tensor] = []
+        self._placements: list[_Placement] = []
+        if map_arena:
+            try:
+                self.arena = self._map(cuda)
+            except BaseException:
+                self._conn.close()
+                raise
 
     def _map(self, cuda: bool) -> torch.Tensor:
         """MAP: the arena as a flat uint8 tensor of this process, and the pool views."""
@@ -217,14 +225,26 @@ class ShmClient:
         uncommitted reservations. The mapping goes when the last tensor over it does."""
         self._conn.close()
 
+    @property
+    def broken(self) -> bool:
+        """The connection failed or was closed: open a new client."""
+        return self._conn.broken
+
+    def _mapped(self) -> torch.Tensor:
+        """The arena, for a read or a write (ValueError when this client did not map it)."""
+        if self.arena is None:
+            raise ValueError("this ShmClient has no arena (map_arena=False): no KV moves")
+        return self.arena
+
     def __enter__(self) -> ShmClient:
         return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def geometry(self) -> Geometry:
-        """The agent's pools (as ``TransferClient.geometry``)."""
+    def geometry(self, replica: str | None = None) -> Geometry:
+        """The agent's pools (as ``TransferClient.geometry``; there is one agent, so
+        ``replica`` is not needed)."""
         return self._geometry
 
     def _request(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
@@ -287,6 +307,7 @@ class ShmClient:
         """Copy blocks ``[start, start + count)`` of a lease out of the mapping into ``dst``
         (per pool ``[selected layers, count, 2, tokens_per_block, kv_heads, head_dim]``, as
         ``TransferClient.get_into``). The blocks stay pinned until ``release``."""
+        arena = self._mapped()
         count = lease.count - start if count is None else count
         geo = self._geometry
         targets = _per_pool(dst, geo)
@@ -319,8 +340,8 @@ class ShmClient:
                     torch.index_select(view[layer], 0, ids, out=out[i])
                 else:
                     target[i].copy_(view[layer].index_select(0, ids).view(target.shape[1:]))
-        if self.arena.device.type == "cuda":
-            torch.cuda.synchronize(self.arena.device)
+        if arena.device.type == "cuda":
+            torch.cuda.synchronize(arena.device)
 
     def _gather(self, pool: int, layers: list[int], ids: np.ndarray, target: torch.Tensor) -> None:
         """Blocks ``ids`` of the mapping, in ``layers``, into ``target`` (``[layers, blocks,
@@ -351,6 +372,7 @@ class ShmClient:
         predecessors it must hold: else ``ChainGapError``). They are private until
         ``commit``; uncommitted past ``ttl_s`` (``transfer.lease_ttl_s`` by default) they are
         freed again."""
+        self._mapped()  # nothing to reserve blocks for without the arena
         reply = self._request(Op.PUT_SHM, _reserve_meta(ns, keys, first, priority, ttl_s))
         return _reservation(reply, first)
 
@@ -358,6 +380,7 @@ class ShmClient:
         """Copy ``kv`` (blocks ``first..`` of the chain, every layer of every pool, as
         ``TransferClient.put`` takes them) into the reserved blocks; blocks the agent held
         already are skipped."""
+        arena = self._mapped()
         if not reservation.store_id:
             return
         geo = self._geometry
@@ -376,8 +399,8 @@ class ShmClient:
             # index_copy_ (whole view or per layer) reaches about half of it.
             for i, block in enumerate(ids.tolist()):
                 view[:, block].copy_(src[:, i])
-        if self.arena.device.type == "cuda":
-            torch.cuda.synchronize(self.arena.device)
+        if arena.device.type == "cuda":
+            torch.cuda.synchronize(arena.device)
 
     def _scatter(
         self, pool: int, layers: int, ids: np.ndarray, tensor: torch.Tensor, skip: int
@@ -446,6 +469,7 @@ class ShmClient:
         # reservation, None for a commit or an abort; request id; the chain's index).
         inflight: deque[tuple[Any, int, int]] = deque()
         todo = enumerate(chains)
+        self._mapped()
 
         def ask() -> None:
             nxt = next(todo, None)

@@ -63,12 +63,14 @@ from kvpool_agent.connectors.vllm.layerwise import (
 from kvpool_agent.connectors.vllm.layout import BlockLayout
 from kvpool_agent.dataplane.client import (
     Geometry,
+    KVClient,
     Lease,
     TransferClient,
     TransferConnectionError,
     TransferError,
 )
 from kvpool_agent.dataplane.keys import KeyNamespace
+from kvpool_agent.dataplane.shm import ShmClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -157,7 +159,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.stats = ConnectorStats()
         self._token = self.settings.token()
         self._discovery = Discovery(self.settings)
-        self._client: TransferClient | None = None
+        self._client: KVClient | None = None
+        self._scheduler = role == KVConnectorRole.SCHEDULER
         self._client_replicas: list[str] = []
         self._client_lock = threading.Lock()
         self._silent_until = 0.0
@@ -188,6 +191,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             self.block_size,
             f"pool {self.settings.pool}.{self.settings.namespace}"
             if self.settings.pool
+            else f"same-node agent {self.settings.unix_socket}"
+            if self.settings.unix_socket
             else f"replicas {self.settings.replicas}",
         )
 
@@ -196,8 +201,11 @@ class KvpoolConnector(KVConnectorBase_V1):
     def _ns(self, rank: int) -> KeyNamespace:
         return KeyNamespace(self.model_id, rank=rank, layer_group=0)
 
-    def _transfer(self, timeout: float) -> TransferClient | None:
-        """A client over the replicas discovery finds now (None: none found)."""
+    def _transfer(self, timeout: float) -> KVClient | None:
+        """A client over the replicas discovery finds now (None: none found), or of the
+        same-node agent (``unix_socket``)."""
+        if self.settings.unix_socket is not None:
+            return self._same_node(self.settings.unix_socket, timeout)
         replicas = self._discovery.replicas()
         with self._client_lock:
             if replicas != self._client_replicas or self._client is None:
@@ -214,6 +222,27 @@ class KvpoolConnector(KVConnectorBase_V1):
                         retries=0,
                         checksums=self.settings.checksums,
                     )
+            return self._client
+
+    def _same_node(self, path: str, timeout: float) -> KVClient | None:
+        """The client of the agent behind ``path``, opened again when its connection broke
+        (None while the agent cannot be reached). The scheduler asks only lookups and
+        leases: it does not map the arena."""
+        with self._client_lock:
+            if isinstance(self._client, ShmClient) and self._client.broken:
+                self._client = None
+            if self._client is None:
+                try:
+                    self._client = ShmClient(
+                        path,
+                        token=self._token,
+                        timeout=timeout,
+                        connect_timeout=min(timeout, 1.0),
+                        map_arena=not self._scheduler,
+                    )
+                except (TransferError, TransferConnectionError, OSError) as err:
+                    log.warning("kvpool: same-node agent %s unreachable (%s)", path, err)
+                    return None
             return self._client
 
     def _silenced(self) -> bool:

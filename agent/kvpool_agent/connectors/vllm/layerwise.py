@@ -26,8 +26,8 @@ import torch
 
 from kvpool_agent.connectors.stats import ConnectorStats
 from kvpool_agent.dataplane.client import (
+    KVClient,
     Lease,
-    TransferClient,
     TransferConnectionError,
     TransferError,
 )
@@ -85,7 +85,7 @@ class LayerLoad:
         layers: int,
         chunks: int,
         *,
-        client: Callable[[], TransferClient | None],
+        client: Callable[[], KVClient | None],
         usable: Callable[[], bool],
         timeout_s: float,
         stats: ConnectorStats,
@@ -122,7 +122,7 @@ class LayerLoad:
     def run(self) -> None:
         """Every range of every item, in layer order, then the leases released. Never
         raises: whatever fails leaves its items short of ``landed``."""
-        client: TransferClient | None = None
+        client: KVClient | None = None
         started = time.perf_counter()
         try:
             client = self._client()
