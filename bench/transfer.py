@@ -504,32 +504,19 @@ def main() -> None:
                             bar.update(task, description=f"{name} {op} x{clients}: memcpy")
                             mems.append(bench_memcpy_threads(nbytes, clients, args.seconds) / 1e9)
                             bar.advance(task)
-                            bar.update(task, description=f"{name} {op} x{clients}: shm")
-                            shms.append(
-                                bench_shm(
+                            for kind, out in ((op, shms), ("put_many", many)):
+                                if kind == "put_many" and op != "put":
+                                    continue
+                                bar.update(task, description=f"{name} {kind} x{clients}: shm")
+                                shm = bench_shm(
                                     agent.unix_socket,
-                                    op,
+                                    kind,
                                     clients,
                                     blocks,
                                     args.seconds,
                                     run * 100 + r,
                                 )
-                                / 1e9
-                            )
-                            bar.advance(task)
-                            if op == "put":
-                                bar.update(task, description=f"{name} put_many x{clients}: shm")
-                                many.append(
-                                    bench_shm(
-                                        agent.unix_socket,
-                                        "put_many",
-                                        clients,
-                                        blocks,
-                                        args.seconds,
-                                        run * 100 + r,
-                                    )
-                                    / 1e9
-                                )
+                                out.append(shm / 1e9)
                                 bar.advance(task)
                             bar.update(task, description=f"{name} {op} x{clients}: protocol")
                             protos.append(

@@ -297,38 +297,21 @@ def test_engines_share_kv_through_a_same_node_agent(
         "class": "FaultyConnector",
         "extra": {"unix_socket": str(sock_dir / "agent.sock"), "lookup_timeout_s": 2.0},
     }
+
+    def engine(name: str, prompts: list[list[int]]) -> dict[str, Any]:
+        spec = {
+            "model": str(model_dir),
+            "connector": same_node,
+            "phases": [{"name": "only", "prompts": prompts}],
+        }
+        return phase(run_engine(vllm_python, tmp_path, name, spec, token=TOKENS["a"]), "only")
+
     try:
-        store = phase(
-            run_engine(
-                vllm_python,
-                tmp_path,
-                "A-same-node",
-                {
-                    "model": str(model_dir),
-                    "connector": same_node,
-                    "phases": [{"name": "store", "prompts": P}],
-                },
-                token=TOKENS["a"],
-            ),
-            "store",
-        )
+        store = engine("A-same-node", P)
         assert same_outputs(store["outputs"], phase(baseline, "p")["outputs"])
         assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
         assert store["worker_stats"]["save_errors"] == 0
-        hit = phase(
-            run_engine(
-                vllm_python,
-                tmp_path,
-                "B-same-node",
-                {
-                    "model": str(model_dir),
-                    "connector": same_node,
-                    "phases": [{"name": "hit", "prompts": Q}],
-                },
-                token=TOKENS["a"],
-            ),
-            "hit",
-        )
+        hit = engine("B-same-node", Q)
         assert [o["num_cached_tokens"] for o in hit["outputs"]] == [Q_HIT_TOKENS] * 3
         assert hit["worker_stats"]["loaded_blocks"] == hit["scheduler_stats"]["hit_blocks"] > 0
         assert hit["worker_stats"]["load_error_blocks"] == 0
