@@ -97,19 +97,21 @@ def _connectors(llm: Any) -> tuple[Any, Any]:
     return scheduler, worker
 
 
-def pool_hits_tokens(metrics_url: str) -> float | None:
-    """The agent's ``kvpool_prefix_cache_hits_tokens_total`` (None when it does not answer)."""
+def pool_metrics(metrics_url: str, names: list[str]) -> dict[str, float | None]:
+    """Sums over the label sets of the agent's labelled counters ``names`` (None each when it
+    does not answer)."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(metrics_url, timeout=5) as reply:
             text = reply.read().decode()
     except OSError:
-        return None
-    prefix = "kvpool_prefix_cache_hits_tokens_total{"
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
-    )
+        return dict.fromkeys(names)
+    lines = text.splitlines()
+    return {
+        name: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+        for name in names
+    }
 
 
 def start_engine(spec: dict[str, Any]) -> Any:
@@ -223,7 +225,12 @@ def run_phase(
         ],
     }
     if spec.get("pool_metrics"):
-        record["pool_hits_tokens"] = pool_hits_tokens(spec["pool_metrics"])
+        found = pool_metrics(
+            spec["pool_metrics"],
+            ["kvpool_prefix_cache_hits_tokens_total", "kvpool_transfer_bytes_total"],
+        )
+        record["pool_hits_tokens"] = found["kvpool_prefix_cache_hits_tokens_total"]
+        record["pool_transfer_bytes"] = found["kvpool_transfer_bytes_total"]
     if scheduler is not None:
         record["scheduler_stats"] = scheduler.stats.snapshot()
     if worker is not None:

@@ -298,28 +298,50 @@ def test_engines_share_kv_through_a_same_node_agent(
         "extra": {"unix_socket": str(sock_dir / "agent.sock"), "lookup_timeout_s": 2.0},
     }
 
-    def engine(name: str, prompts: list[list[int]]) -> dict[str, Any]:
+    def engine(name: str, phases: list[dict[str, Any]]) -> dict[str, Any]:
         spec = {
             "model": str(model_dir),
             "connector": same_node,
-            "phases": [{"name": "only", "prompts": prompts}],
+            "pool_metrics": f"{own.agent.url}/metrics",
+            "phases": phases,
         }
-        return phase(run_engine(vllm_python, tmp_path, name, spec, token=TOKENS["a"]), "only")
+        return run_engine(vllm_python, tmp_path, name, spec, token=TOKENS["a"])
 
+    want_q = phase(baseline, "q")["outputs"]
+    kill = {"replicas": [own.transfer], "pid": own.agent.proc.pid}
     try:
-        store = engine("A-same-node", P)
+        store = phase(engine("A-same-node", [{"name": "store", "prompts": P}]), "store")
         assert same_outputs(store["outputs"], phase(baseline, "p")["outputs"])
         assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
         assert store["worker_stats"]["save_errors"] == 0
-        hit = engine("B-same-node", Q)
+        b = engine(
+            "B-same-node",
+            [
+                {"name": "hit", "prompts": Q, "fault": "none"},
+                {"name": "kill", "prompts": Q, "fault": "kill", "fault_args": kill, "reset": True},
+                {"name": "down", "prompts": Q, "fault": "none", "reset": True},
+            ],
+        )
+        hit = phase(b, "hit")
         assert [o["num_cached_tokens"] for o in hit["outputs"]] == [Q_HIT_TOKENS] * 3
         assert hit["worker_stats"]["loaded_blocks"] == hit["scheduler_stats"]["hit_blocks"] > 0
         assert hit["worker_stats"]["load_error_blocks"] == 0
-        assert same_outputs(hit["outputs"], phase(baseline, "q")["outputs"])
+        assert same_outputs(hit["outputs"], want_q)
         assert_layerwise_loads(hit)
         # Stored and read through the mapped arena: the transfer port moved no KV.
-        assert own.agent.metric("kvpool_transfer_bytes_total") == 0
-        assert own.hits_tokens() >= hit["worker_stats"]["loaded_blocks"] * BLOCK
+        assert hit["pool_transfer_bytes"] == 0
+        # The agent dies between lease and read: those blocks are recomputed.
+        killed = phase(b, "kill")
+        assert killed["worker_stats"]["load_error_blocks"] > 0
+        assert same_outputs(killed["outputs"], want_q)
+        assert own.agent.proc.wait(timeout=10) != 0
+        # Down: the socket refuses, lookups answer 0 (and wait backoff_s before trying again).
+        down = phase(b, "down")
+        skipped = down["scheduler_stats"]["lookups_skipped"]
+        assert skipped > killed["scheduler_stats"]["lookups_skipped"]
+        assert down["outputs"][0]["num_cached_tokens"] == 0
+        assert down["worker_stats"]["loaded_blocks"] == killed["worker_stats"]["loaded_blocks"]
+        assert same_outputs(down["outputs"], want_q)
     finally:
         own.agent.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)

@@ -226,12 +226,14 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _same_node(self, path: str, timeout: float) -> KVClient | None:
         """The client of the agent behind ``path``, opened again when its connection broke
-        (None while the agent cannot be reached). The scheduler asks only lookups and
-        leases: it does not map the arena."""
+        (None while the agent cannot be reached: tried again after ``backoff_s``). The
+        scheduler asks only lookups and leases: it does not map the arena."""
         with self._client_lock:
             if isinstance(self._client, ShmClient) and self._client.broken:
                 self._client = None
             if self._client is None:
+                if self._silenced():
+                    return None
                 try:
                     self._client = ShmClient(
                         path,
@@ -241,7 +243,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                         map_arena=not self._scheduler,
                     )
                 except (TransferError, TransferConnectionError, OSError) as err:
-                    log.warning("kvpool: same-node agent %s unreachable (%s)", path, err)
+                    self._failed(f"connecting to the same-node agent {path}", err)
                     return None
             return self._client
 
