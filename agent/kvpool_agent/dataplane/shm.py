@@ -465,9 +465,9 @@ class ShmClient:
         failure is raised once nothing is in flight: the chains before it are stored, the
         ones reserved after it are aborted, the rest are not sent."""
         results: list[PutResult] = []
-        # Requests sent and not answered yet, oldest first: (the chain's data for a
-        # reservation, None for a commit or an abort; request id; the chain's index).
-        inflight: deque[tuple[Any, int, int]] = deque()
+        # Requests sent and not answered yet, oldest first: (what it is, the chain's data for
+        # a reservation, request id, the chain's index).
+        inflight: deque[tuple[Op, Any, int, int]] = deque()
         todo = enumerate(chains)
         self._mapped()
 
@@ -476,16 +476,16 @@ class ShmClient:
             if nxt is not None:
                 i, (keys, kv) = nxt
                 meta = _reserve_meta(ns, keys, 0, priority, None)
-                inflight.append((kv, self._conn.send(Op.PUT_SHM, meta), i))
+                inflight.append((Op.PUT_SHM, kv, self._conn.send(Op.PUT_SHM, meta), i))
                 results.append(PutResult(self.path, 0, 0))  # its slot, filled below
 
         with self._lock:
             try:
                 ask()
                 while inflight:
-                    kv, rid, i = inflight.popleft()
+                    op, kv, rid, i = inflight.popleft()
                     reply = self._conn.receive(rid)[1]
-                    if kv is None:  # a commit's reply
+                    if op == Op.COMMIT:
                         stored, resident = int(reply["stored"]), int(reply["resident"])
                         results[i] = PutResult(self.path, stored, resident)
                         continue
@@ -498,33 +498,33 @@ class ShmClient:
                         self.write(reservation, kv)
                     except BaseException:
                         abort = self._conn.send(Op.ABORT, {"store": reservation.store_id})
-                        inflight.append((None, abort, i))  # its reply is read in _settle
+                        inflight.append((Op.ABORT, None, abort, i))  # read in _settle
                         raise
                     commit = self._conn.send(Op.COMMIT, {"store": reservation.store_id})
-                    inflight.append((None, commit, i))
+                    inflight.append((Op.COMMIT, None, commit, i))
             except BaseException:
                 self._settle(inflight)
                 raise
         return results
 
-    def _settle(self, inflight: deque[tuple[Any, int, int]]) -> None:
+    def _settle(self, inflight: deque[tuple[Op, Any, int, int]]) -> None:
         """After a failure in ``put_many``: read what is still in flight (the connection stays
         usable) and abort the reservations among it. A broken connection needs nothing: the
         agent aborts a closed connection's reservations itself."""
         while inflight and not self._conn.broken:
-            kv, rid, _ = inflight.popleft()
+            op, _, rid, _ = inflight.popleft()
             try:
                 reply = self._conn.receive(rid)[1]
             except TransferError:
                 continue
             except TransferConnectionError:
                 return
-            if kv is not None and int(reply.get("store", 0)):  # a reservation: abort it
+            if op == Op.PUT_SHM and int(reply.get("store", 0)):  # a reservation: abort it
                 try:
                     abort = self._conn.send(Op.ABORT, {"store": int(reply["store"])})
                 except TransferConnectionError:
                     return
-                inflight.append((None, abort, -1))  # read after what was sent before it
+                inflight.append((Op.ABORT, None, abort, -1))  # read after the earlier ones
 
 
 def _reserve_meta(
