@@ -12,7 +12,11 @@ Per request of ``--blocks`` blocks, the median of ``--reps``:
 - load: lease, ``LayerLoad`` reads 4 layer ranges on its thread into host buffers while the
   engine thread uploads each landed layer (``scatter_layer``), then waits; with pinned
   buffers (what the connector uses on a GPU) and pageable ones (what it used before);
-  against the GET alone into a pinned buffer, and one contiguous pinned -> device copy.
+  against the GET alone into a pinned buffer, and one contiguous pinned -> device copy;
+- same node, CUDA agent: a second agent with its primary tier on this GPU, mapped through
+  CUDA IPC by ``ShmClient`` (what the connector's ``unix_socket`` setting opens): the save
+  PUT (pinned host -> device arena) and the load, which reads device to device into buffers
+  on the pages' GPU; against one contiguous device -> device copy.
 
     python bench/connector_gpu.py [--blocks 128] [--reps 5]
 
@@ -45,7 +49,8 @@ from kvpool_agent.connectors.vllm.layerwise import (
     scatter_layer,
 )
 from kvpool_agent.connectors.vllm.layout import BlockLayout
-from kvpool_agent.dataplane.client import TransferClient
+from kvpool_agent.dataplane.client import KVClient, TransferClient
+from kvpool_agent.dataplane.shm import ShmClient
 
 console = Console()
 MODEL = GEOMETRIES["2MiB"]
@@ -92,9 +97,11 @@ def main() -> None:
     counter = iter(range(1 << 30))
 
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console) as bar:
-        task = bar.add_task("connector on GPU", total=8)
+        task = bar.add_task("connector on GPU", total=12)
         agent = AgentProcess(Path(tmp), MODEL, 4 * nbytes, None)
         client = TransferClient([agent.address])
+        gpu_agent = AgentProcess(Path(tmp), MODEL, 4 * nbytes, None, device="cuda")
+        shm = ShmClient(gpu_agent.unix_socket)
         try:
             saved: dict[str, Any] = {}
 
@@ -119,14 +126,15 @@ def main() -> None:
             chain = [f"load-{i}".encode() for i in range(n)]
             client.put(NS, chain, [saved["kv"]])
 
-            def load(pin: bool) -> Callable[[], None]:
+            def load(pin: bool, via: KVClient = client) -> Callable[[], None]:
                 def run() -> None:
-                    lease = client.lease(NS, chain, ttl_s=60)
+                    lease = via.lease(NS, chain, ttl_s=60)
                     assert lease is not None and lease.count == n
                     item = LoadItem("r", dst_ids, 0, lease, n, dst_index)
                     job = LayerLoad(
-                        [item], layers, 4, client=lambda: client, usable=lambda: True,
+                        [item], layers, 4, client=lambda: via, usable=lambda: True,
                         timeout_s=60, stats=ConnectorStats(), pin_memory=pin,
+                        pages_device=views[0].device,
                     )  # fmt: skip
                     job.start()
                     for layer in range(layers):
@@ -156,9 +164,36 @@ def main() -> None:
             bar.advance(task)
             rows["pageable -> device copy"] = median_s(lambda: flat.copy_(pageable), args.reps)
             bar.advance(task)
+
+            assert shm.device is not None and shm.device.type == "cuda"
+
+            def put_same_node() -> None:
+                keys = [f"n{next(counter)}-{i}".encode() for i in range(n)]
+                shm.put(NS, keys, [saved["kv"]])
+
+            rows["save PUT, same node (CUDA agent)"] = median_s(put_same_node, args.reps)
+            bar.advance(task)
+            shm.put(NS, chain, [saved["kv"]])
+            rows["load, same node (CUDA agent)"] = median_s(load(True, shm), args.reps)
+            bar.advance(task)
+            on_gpu = shm.empty_kv(n, device=shm.device)
+
+            def get_same_node() -> None:
+                lease = shm.lease(NS, chain, ttl_s=60)
+                assert lease is not None
+                shm.get_into(lease, on_gpu)
+                shm.release(lease)
+
+            rows["GET alone, same node (into device)"] = median_s(get_same_node, args.reps)
+            bar.advance(task)
+            other = torch.empty_like(flat)
+            rows["device -> device copy"] = median_s(lambda: other.copy_(flat), args.reps)
+            bar.advance(task)
         finally:
             client.close()
+            shm.close()
             agent.stop()
+            gpu_agent.stop()
 
     gbps = {name: nbytes / s / 1e9 for name, s in rows.items()}
     result = {
@@ -176,6 +211,12 @@ def main() -> None:
             "load pinned / GET alone": gbps["load, pinned buffers"] / gbps["GET alone (pinned)"],
             "load pinned / load pageable": gbps["load, pinned buffers"]
             / gbps["load, pageable buffers"],
+            "same-node load / device->device": gbps["load, same node (CUDA agent)"]
+            / gbps["device -> device copy"],
+            "same-node load / load pinned (TCP)": gbps["load, same node (CUDA agent)"]
+            / gbps["load, pinned buffers"],
+            "same-node save PUT / save PUT (TCP)": gbps["save PUT, same node (CUDA agent)"]
+            / gbps["save PUT"],
         },
     }
     table = Table(title=f"connector copies on {result['device']}: {n} blocks of 2 MiB")

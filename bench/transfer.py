@@ -178,16 +178,33 @@ def free_port() -> int:
 
 
 class AgentProcess:
-    def __init__(self, tmp: Path, model: dict[str, Any], budget: int, policy: str | None) -> None:
+    """A ``kvpool agent`` with ``budget`` bytes of primary tier: CPU memory, or, with
+    ``device="cuda"``, the GPU's (sized by ``max_tokens``)."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        model: dict[str, Any],
+        budget: int,
+        policy: str | None,
+        device: str = "cpu",
+    ) -> None:
         self.port, self.transfer = free_port(), free_port()
         cache: dict[str, Any] = {"tokens_per_block": TPB, "enable_partial_reuse": False}
         if policy is not None:
             cache["eviction_policy"] = policy
+        sizing: dict[str, Any] = {"cpu_budget_bytes": budget}
+        if device == "cuda":
+            assert model["dtype"] == "bfloat16"  # every geometry here
+            heads, dim = model["num_kv_heads"], model["head_dim"]
+            block_bytes = 2 * model["num_layers"] * heads * dim * TPB * 2
+            cache["max_tokens"] = budget // block_bytes * TPB
+            sizing = {}
         doc = {
             "model": model,
             "kv_cache_config": cache,
-            "device": "cpu",
-            "cpu_budget_bytes": budget,
+            "device": device,
+            **sizing,
             "events": {"endpoint": None, "replay_endpoint": None},
             "transfer": {
                 "port": self.transfer,

@@ -57,12 +57,12 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), flashinfer {flash
 EOF
 
 # 1. The data plane, the connector's copies and sizing on CUDA (no flashinfer).
-step tests 130 python3 -m pytest -m gpu -p no:cacheprovider -q \
+step tests 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
   tests/dataplane/test_cuda_paths.py tests/dataplane/test_shm.py \
   tests/connectors/test_layerwise_cuda.py tests/agent/test_sizing_cuda.py \
   tests/kernels/test_flashinfer_gpu.py -k "not flashinfer_matches and not append_matches"
 # 2. The connector's GPU copies against the copy rates of the same machine.
-step bench-connector 70 python3 bench/connector_gpu.py --out "$OUT/res"
+step bench-connector 120 python3 bench/connector_gpu.py --out "$OUT/res"
 # 3. flashinfer against the torch reference.
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 # shellcheck disable=SC2086

@@ -8,10 +8,12 @@ pages, loads read into pinned buffers and upload each layer on the current strea
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from dataplane.conftest import NS, Agent, agent_config, keys_for
+from dataplane.conftest import NS, TOKENS, Agent, agent_config, cuda_socket_agent, keys_for
 
 from kvpool_agent.connectors.stats import ConnectorStats
 from kvpool_agent.connectors.vllm.layerwise import (
@@ -22,6 +24,7 @@ from kvpool_agent.connectors.vllm.layerwise import (
     scatter_layer,
 )
 from kvpool_agent.connectors.vllm.layout import BlockLayout, gather
+from kvpool_agent.dataplane.shm import ShmClient
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,3 +122,66 @@ def test_a_save_waits_for_the_forward_pass_on_its_stream() -> None:
     save = LayerSave([SavePart("r", [], 0, 0, 1)], [4], views[0])
     ((_, kv),) = save.finish(views)
     assert bool((kv.float() == 3.0).all())
+
+
+@pytest.mark.slow
+def test_a_same_node_cuda_agent_loads_device_to_device(start_agent: Any, tmp_path: Path) -> None:
+    """A real ``kvpool agent`` with its primary tier on this GPU and a Unix socket: the
+    connector's same-node client maps the device tier without being told its kind, saved
+    blocks land there, and a load reads into buffers on the pages' GPU (no host buffer)
+    and writes bit-exact pages, leaving the others untouched; no byte crosses a socket."""
+    doc = {
+        "model": {
+            "num_layers": LAYERS,
+            "num_kv_heads": HEADS,
+            "head_dim": DIM,
+            "dtype": "bfloat16",
+        },
+        "device": "cuda",
+        "kv_cache_config": {"tokens_per_block": BS, "max_tokens": 64 * BS},
+        "transfer": {"port": None},
+    }
+    agent, path = cuda_socket_agent(start_agent, tmp_path, doc, "conn.sock")
+    try:
+        with ShmClient(path, token=TOKENS["a"]) as shm:
+            assert shm.device is not None and shm.device.type == "cuda"
+            layout = BlockLayout.for_backend("FLASH_ATTN", BS, HEADS, DIM)
+            src = pages(4)
+            src_views = [layout.blocks_view(t) for t in src]
+            saved_ids = [9, 2, 17, 5]
+            want = gather(src_views, saved_ids)
+            save = LayerSave([SavePart("r", [], 0, 0, len(saved_ids))], saved_ids, src_views[0])
+            ((_, kv),) = save.finish(src_views)
+            keys = keys_for(5, len(saved_ids))
+            assert shm.put(NS, keys, [kv]).stored == len(saved_ids)
+
+            with ShmClient(path, token=TOKENS["a"], map_arena=False) as scheduler:
+                assert scheduler.lookup(NS, keys) == ["primary"] * len(saved_ids)
+                lease = scheduler.lease(NS, keys, ttl_s=30)
+            assert lease is not None
+
+            dst = pages(6)
+            before = [t.clone() for t in dst]
+            dst_views = [layout.blocks_view(t) for t in dst]
+            load_ids = [20, 0, 11]
+            index = torch.tensor(load_ids, device="cuda")
+            item = LoadItem("r", load_ids, 1, lease, len(load_ids), index)
+            job = LayerLoad(
+                [item], LAYERS, 2, client=lambda: shm, usable=lambda: True, timeout_s=30,
+                stats=ConnectorStats(), pin_memory=True, pages_device=dst_views[0].device,
+            )  # fmt: skip
+            job.start()
+            for layer in range(LAYERS):
+                (taken,) = job.take(layer)
+                assert taken.kv is not None and taken.kv.device == dst_views[0].device
+                scatter_layer(dst_views[layer], index, taken.kv[layer])
+            outcome = job.finish()
+            assert outcome.loaded_blocks == 3 and not outcome.failed_block_ids
+            torch.cuda.synchronize()
+            assert torch.equal(gather(dst_views, load_ids), want[:, 1:])
+            untouched = [i for i in range(PAGES) if i not in load_ids]
+            for layer, old in zip(dst, before, strict=True):
+                assert torch.equal(layer[untouched], old[untouched])
+        assert agent.metric("kvpool_transfer_bytes_total") == 0
+    finally:
+        agent.stop()

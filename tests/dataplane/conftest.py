@@ -4,6 +4,7 @@ in-process on its own event loop thread, so blocking clients and raw sockets can
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import threading
@@ -69,6 +70,33 @@ def write_auth(tmp: Path) -> dict[str, str]:
     )
     (tmp / "peer-token").write_text(PEER + "\n")
     return {"tenants_file": str(tmp / "tenants.yaml"), "peer_token_file": str(tmp / "peer-token")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cuda_socket_agent(
+    start_agent: Callable[..., Any], tmp: Path, doc: dict[str, Any], name: str
+) -> tuple[Any, str]:
+    """A real ``kvpool agent`` process with ``doc`` (its model, device and cache sections),
+    tenants a and b, and a Unix socket ``name`` in a short directory (a socket's path has
+    107 bytes); the agent and the socket's path."""
+    sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvp-{os.getpid()}"
+    sock_dir.mkdir(exist_ok=True)
+    path = str(sock_dir / name)
+    port = free_port()
+    full = {
+        "events": {"endpoint": None, "replay_endpoint": None},
+        "auth": write_auth(tmp),
+        **doc,
+        "transfer": {**doc.get("transfer", {}), "unix_socket": path},
+    }
+    config = tmp / "agent.yaml"
+    config.write_text(yaml.safe_dump(full))
+    return start_agent(config, port, "--port", str(port)), path
 
 
 class Agent:

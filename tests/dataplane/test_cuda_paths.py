@@ -7,15 +7,12 @@ KV; on a machine without CUDA every test here skips."""
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from kvpool_agent.dataplane.client import TORCH_DTYPES
 from kvpool_agent.dataplane.shm import ShmClient
@@ -26,10 +23,11 @@ from .conftest import (
     TPB,
     Agent,
     agent_config,
+    cuda_socket_agent,
+    free_port,
     keys_for,
     random_kv,
     round_trip_six_blocks,
-    write_auth,
 )
 
 pytestmark = [
@@ -101,12 +99,6 @@ def test_blocks_the_cuda_tier_evicts_come_back_bit_exact_from_the_host_tier(
 # ---------------------------------------------------------------------- CUDA IPC
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_an_engine_maps_the_cuda_tier_and_copies_with_its_own_gpu(
     start_agent: Any, tmp_path: Path
@@ -114,20 +106,13 @@ def test_an_engine_maps_the_cuda_tier_and_copies_with_its_own_gpu(
     """A real ``kvpool agent`` on CUDA with a Unix socket: a client in this process maps its
     device tier through CUDA IPC (after AUTH), writes CUDA tensors into reserved blocks and
     reads them back into CUDA tensors; the transfer port sees the same bytes."""
-    sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvp-{os.getpid()}"
-    sock_dir.mkdir(exist_ok=True)
-    path = str(sock_dir / "cuda.sock")  # short: a Unix socket path has 107 bytes
-    port, transfer_port = _free_port(), _free_port()
+    transfer_port = free_port()
     doc = {
         "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
-        "events": {"endpoint": None, "replay_endpoint": None},
-        "auth": write_auth(tmp_path),
-        "transfer": {"port": transfer_port, "unix_socket": path},
+        "transfer": {"port": transfer_port},
         **cuda_doc(),
     }
-    config = tmp_path / "agent.yaml"
-    config.write_text(yaml.safe_dump(doc))
-    agent = start_agent(config, port, "--port", str(port))
+    agent, path = cuda_socket_agent(start_agent, tmp_path, doc, "cuda.sock")
     try:
         with ShmClient(path, token=TOKENS["a"], cuda=True) as shm:
             assert shm.arena.device.type == "cuda"

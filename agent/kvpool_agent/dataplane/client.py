@@ -123,15 +123,23 @@ class Geometry:
         return (len(p.selected(layers)), blocks, 2, p.tokens_per_block, p.kv_heads, p.head_dim)
 
     def empty_kv(
-        self, blocks: int, layers: tuple[int, int] | None = None, *, pin_memory: bool = False
+        self,
+        blocks: int,
+        layers: tuple[int, int] | None = None,
+        *,
+        pin_memory: bool = False,
+        device: torch.device | None = None,
     ) -> list[torch.Tensor]:
-        """Host tensors to ``get_into`` (one per pool; pools without a selected layer get an
-        empty one)."""
+        """Tensors to ``get_into`` (one per pool; pools without a selected layer get an
+        empty one), in host memory unless ``device`` names another (a same-node client's
+        CUDA arena reads into its own GPU)."""
+        on_host = device is None or device.type == "cpu"
         return [
             torch.empty(
                 self.kv_shape(p.index, blocks, layers),
                 dtype=TORCH_DTYPES[p.dtype],
-                pin_memory=pin_memory,
+                device=device,
+                pin_memory=pin_memory and on_host,
             )
             for p in self.pools
         ]

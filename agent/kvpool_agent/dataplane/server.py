@@ -1068,11 +1068,12 @@ class Connection:
 
     async def _map(self, header: Header, meta: dict[str, Any]) -> None:
         _fields(meta, "MAP", optional={"cuda"})
-        cuda = meta.get("cuda", False)
-        if not isinstance(cuda, bool):
-            raise ProtocolError(BAD_FRAME, "meta.cuda: a boolean")
         server = self.server
         arena = self.service.engine.storage[0].arena
+        # Without ``cuda`` the peer takes the arena as it is (the reply's ``kind`` says which).
+        cuda = meta.get("cuda", arena.device.type == "cuda")
+        if not isinstance(cuda, bool):
+            raise ProtocolError(BAD_FRAME, "meta.cuda: a boolean")
         out: dict[str, Any] = {"pools": server.pool_memory(), "size": arena.numel()}
         if cuda:
             if arena.device.type != "cuda":

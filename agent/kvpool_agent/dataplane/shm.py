@@ -143,6 +143,9 @@ def _host_bytes(tensor: torch.Tensor) -> memoryview:
 class ShmClient:
     """One authenticated same-node connection and the agent's arena mapped beside it.
 
+    ``cuda``: None (the default) maps the arena as the agent has it, its memfd on a CPU agent
+    and its CUDA IPC handle on a CUDA agent (``device`` then says which GPU); True or False
+    asks for that kind and is refused (409) when the agent has the other.
     ``copy_threads``: threads (the caller's included) that share one copy of 4 MiB or more
     on a CPU arena; 1 (the default) copies on the calling thread only, which is the most a
     busy node can count on. ``map_arena=False``: keys and leases only (``lookup``, ``lease``,
@@ -156,7 +159,7 @@ class ShmClient:
         token: str | None = None,
         timeout: float = 60.0,
         connect_timeout: float = 10.0,
-        cuda: bool = False,
+        cuda: bool | None = None,
         copy_threads: int = 1,
         map_arena: bool = True,
     ) -> None:
@@ -184,13 +187,13 @@ class ShmClient:
                 self._conn.close()
                 raise
 
-    def _map(self, cuda: bool) -> torch.Tensor:
+    def _map(self, cuda: bool | None) -> torch.Tensor:
         """MAP: the arena as a flat uint8 tensor of this process, and the pool views."""
         fds: list[int] = []
         try:
-            _, reply = self._conn.request(Op.MAP, {"cuda": cuda}, fds=fds)
+            _, reply = self._conn.request(Op.MAP, {} if cuda is None else {"cuda": cuda}, fds=fds)
             size = int(reply["size"])
-            if cuda:
+            if reply.get("kind") == "cuda":
                 arena = open_arena(CudaArenaHandle.from_meta(reply))
             else:
                 if reply.get("kind") != "memfd" or len(fds) != 1:
@@ -214,6 +217,12 @@ class ShmClient:
             for i, (p, m) in enumerate(zip(self._geometry.pools, reply["pools"], strict=True))
         ]
         return arena
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the mapped arena lives (a GPU for a CUDA agent's); None without a mapping.
+        Copies between the arena and tensors on the same device stay on that device."""
+        return None if self.arena is None else self.arena.device
 
     @property
     def _compiled(self) -> bool:
@@ -254,9 +263,16 @@ class ShmClient:
     # ------------------------------------------------------------- keys and leases
 
     def empty_kv(
-        self, blocks: int, layers: tuple[int, int] | None = None, *, pin_memory: bool = False
+        self,
+        blocks: int,
+        layers: tuple[int, int] | None = None,
+        *,
+        pin_memory: bool = False,
+        device: torch.device | None = None,
     ) -> list[torch.Tensor]:
-        return self._geometry.empty_kv(blocks, layers, pin_memory=pin_memory)
+        """Tensors to ``get_into``: in host memory, or on ``device`` (``self.device``, for
+        a CUDA agent's arena: the copies then stay on the GPU)."""
+        return self._geometry.empty_kv(blocks, layers, pin_memory=pin_memory, device=device)
 
     def ping(self) -> None:
         self._request(Op.PING, {})
@@ -341,7 +357,9 @@ class ShmClient:
                 else:
                     target[i].copy_(view[layer].index_select(0, ids).view(target.shape[1:]))
         if arena.device.type == "cuda":
-            torch.cuda.synchronize(arena.device)
+            # The copies were queued on this thread's stream: wait for them, not for the
+            # engine's kernels on its other streams.
+            torch.cuda.current_stream(arena.device).synchronize()
 
     def _gather(self, pool: int, layers: list[int], ids: np.ndarray, target: torch.Tensor) -> None:
         """Blocks ``ids`` of the mapping, in ``layers``, into ``target`` (``[layers, blocks,
@@ -400,7 +418,9 @@ class ShmClient:
             for i, block in enumerate(ids.tolist()):
                 view[:, block].copy_(src[:, i])
         if arena.device.type == "cuda":
-            torch.cuda.synchronize(arena.device)
+            # The copies were queued on this thread's stream: wait for them, not for the
+            # engine's kernels on its other streams.
+            torch.cuda.current_stream(arena.device).synchronize()
 
     def _scatter(
         self, pool: int, layers: int, ids: np.ndarray, tensor: torch.Tensor, skip: int

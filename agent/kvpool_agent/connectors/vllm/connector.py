@@ -496,6 +496,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             stats=self.stats,
             on_chunk=self._load_chunk_landed,
             pin_memory=self._views[0].device.type == "cuda",
+            pages_device=self._views[0].device,
         )
         self._loading = job
         if not job.pending:

@@ -1,7 +1,8 @@
 """A step's loads and saves, layer by layer (no vLLM import: tested without it).
 
 Loads (``LayerLoad``): a thread reads every request's leased blocks in a few layer ranges
-(``layer_chunks``), in layer order, into host buffers of its own; the engine takes a layer
+(``layer_chunks``), in layer order, into buffers of its own (host memory; the pages' GPU
+when a same-node client maps a CUDA agent's arena there); the engine takes a layer
 (``take``) when its attention is about to read it, copying that layer's landed blocks into
 vLLM's pages itself. vLLM's pages are only ever written by the engine's thread, inside the
 hook, so a read that is late, cut or abandoned can never land in them afterwards. A request
@@ -31,6 +32,7 @@ from kvpool_agent.dataplane.client import (
     TransferConnectionError,
     TransferError,
 )
+from kvpool_agent.dataplane.shm import ShmClient
 
 log = logging.getLogger("kvpool.connector.vllm")
 
@@ -91,11 +93,15 @@ class LayerLoad:
         stats: ConnectorStats,
         on_chunk: Callable[[int], object] | None = None,
         pin_memory: bool = False,
+        pages_device: torch.device | None = None,
     ) -> None:
         self.items = items
         self.pin_memory = pin_memory
         """Read into page-locked buffers (pages on a GPU: uploads then run at DMA speed and
         do not wait for the host)."""
+        self.pages_device = pages_device
+        """The pages' GPU: a same-node client whose arena is there (a CUDA agent's) reads
+        into buffers on it, so each block crosses no PCIe link."""
         self.layers = layers
         self.chunks = layer_chunks(layers, chunks)
         self.chunk_of = [c for c, (lo, hi) in enumerate(self.chunks) for _ in range(lo, hi)]
@@ -128,10 +134,13 @@ class LayerLoad:
             client = self._client()
             if client is None or not self._usable():
                 return
+            device = self._buffer_device(client)
             for item in self.items:
                 if item.count > 0 and item.lease is not None:
                     geometry = client.geometry(item.lease.replica)
-                    item.kv = geometry.empty_kv(item.count, pin_memory=self.pin_memory)[0]
+                    item.kv = geometry.empty_kv(
+                        item.count, pin_memory=self.pin_memory, device=device
+                    )[0]
             failed: set[int] = set()
             for c, (lo, hi) in enumerate(self.chunks):
                 for i, item in enumerate(self.items):
@@ -173,6 +182,15 @@ class LayerLoad:
                         # A release that fails is harmless: the lease expires on its own.
                         with contextlib.suppress(*TRANSFER_ERRORS):
                             client.release(item.lease)
+
+    def _buffer_device(self, client: KVClient) -> torch.device | None:
+        """Where reads land: the pages' GPU when ``client`` maps the agent's arena on it,
+        else host memory (None)."""
+        if isinstance(client, ShmClient) and self.pages_device is not None:
+            mapped = client.device
+            if mapped is not None and mapped.type == "cuda" and mapped == self.pages_device:
+                return mapped
+        return None
 
     def take(self, layer: int) -> list[LoadItem]:
         """Wait (until the deadline) for ``layer``'s range; the items whose blocks of it
@@ -218,6 +236,10 @@ def scatter_layer(view: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> 
     into the pages ``view`` at ``index``. On a GPU the upload is queued on the current
     stream, so the layer's attention, queued after it, reads the loaded blocks; a pinned
     ``kv`` stays alive until the copy has run (torch's pinned allocator records its use)."""
+    if kv.device == view.device and kv.is_cuda:
+        # Read on the load thread's stream into a buffer the engine's stream now uses: the
+        # allocator must not hand it out again before this copy ran.
+        kv.record_stream(torch.cuda.current_stream(view.device))
     view.index_copy_(0, index, kv.to(view.device, non_blocking=True))
 
 
