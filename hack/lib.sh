@@ -8,6 +8,7 @@
 #                    module proxy, cached under ~/.cache/kvpool)
 # kvpool::check_disk stop early, with the reason, when the disk cannot hold the set-up
 # kvpool::native     (re)build and install the compiled engine core into the virtualenv
+# kvpool::native_into VENV   install that build into another virtualenv (.venv-vllm)
 # kvpool::step NAME CMD...   run CMD, print its wall time, remember it for kvpool::timings
 # kvpool::timings    print every step's time
 
@@ -50,13 +51,25 @@ kvpool::check_disk() {
 
 kvpool::native() {
   # pip builds a wheel of agent/native with maturin (from PyPI) and cargo (crates from
-  # crates.io); the cached target dir makes a rebuild after a change incremental.
+  # crates.io); the cached target dir makes a rebuild after a change incremental. The wheel
+  # stays in build/native-wheel for kvpool::native_into.
   if ! command -v cargo >/dev/null 2>&1; then
     echo "kvpool: the compiled core (agent/native) needs a Rust toolchain: https://rustup.rs" >&2
     return 1
   fi
+  rm -rf build/native-wheel
   CARGO_TARGET_DIR="${KVPOOL_CACHE_DIR:-$HOME/.cache/kvpool}/native-target" \
-    python -m pip install --quiet ./agent/native
+    python -m pip wheel --quiet --no-deps -w build/native-wheel ./agent/native
+  python -m pip install --quiet --no-deps --force-reinstall build/native-wheel/kvpool_native-*.whl
+}
+
+kvpool::native_into() {
+  # kvpool::native_into VENV: the same wheel into another virtualenv of the same Python (the
+  # real-vLLM one, so the connector's same-node copies there are the compiled ones, as in a
+  # deployment). A virtualenv of another Python gets a warning and keeps torch's copies.
+  "$1/bin/python" -m pip install --quiet --no-deps --force-reinstall \
+    build/native-wheel/kvpool_native-*.whl ||
+    echo "kvpool: the compiled core does not fit $1's Python: its copies stay torch's" >&2
 }
 
 kvpool::step() {

@@ -128,8 +128,9 @@ def test_a_save_waits_for_the_forward_pass_on_its_stream() -> None:
 def test_a_same_node_cuda_agent_loads_device_to_device(start_agent: Any, tmp_path: Path) -> None:
     """A real ``kvpool agent`` with its primary tier on this GPU and a Unix socket: the
     connector's same-node client maps the device tier without being told its kind, saved
-    blocks land there, and a load reads into buffers on the pages' GPU (no host buffer)
-    and writes bit-exact pages, leaving the others untouched; no byte crosses a socket."""
+    blocks land there through a sibling connection (its IPC handle checked to be the same),
+    and a load reads into buffers on the pages' GPU (no host buffer) and writes bit-exact
+    pages, leaving the others untouched; no byte crosses a socket."""
     doc = {
         "model": {
             "num_layers": LAYERS,
@@ -153,7 +154,9 @@ def test_a_same_node_cuda_agent_loads_device_to_device(start_agent: Any, tmp_pat
             save = LayerSave([SavePart("r", [], 0, 0, len(saved_ids))], saved_ids, src_views[0])
             ((_, kv),) = save.finish(src_views)
             keys = keys_for(5, len(saved_ids))
-            assert shm.put(NS, keys, [kv]).stored == len(saved_ids)
+            with shm.sibling() as saver:  # the saves' own connection, as the connector's
+                assert saver.arena is shm.arena
+                assert saver.put(NS, keys, [kv]).stored == len(saved_ids)
 
             with ShmClient(path, token=TOKENS["a"], map_arena=False) as scheduler:
                 assert scheduler.lookup(NS, keys) == ["primary"] * len(saved_ids)

@@ -294,6 +294,52 @@ def _metric(agent: Agent, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
+def test_a_sibling_shares_the_mapping_on_a_connection_of_its_own(shm_agent: ShmAgent) -> None:
+    """A sibling reserves while its twin holds a read: each connection keeps its own, and
+    closing the sibling aborts only its reservation. Both see the same bytes."""
+    with shm_agent.shm() as client, shm_agent.client() as tcp:
+        twin = client.sibling()
+        assert twin.arena is client.arena and twin.device == client.device
+        a, b = keys_for(20, 4), keys_for(21, 3)
+        kv_a, kv_b = random_kv(tcp, 4, seed=20), random_kv(tcp, 3, seed=21)
+        assert twin.put(NS, a, kv_a).stored == 4
+        lease = client.lease(NS, a, ttl_s=30)
+        assert lease is not None
+        out = client.empty_kv(4)
+        client.get_into(lease, out)  # a read on the first connection, still open
+        assert torch.equal(out[0], kv_a[0])
+        reservation = twin.reserve(NS, b)
+        assert pinned(shm_agent) == 4 + 3
+        twin.close()  # its reservation goes; the first connection's read stays
+        deadline = time.monotonic() + 10
+        while pinned(shm_agent) > 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pinned(shm_agent) == 4 and reservation.store_id
+        client.release(lease)
+        assert client.put(NS, b, kv_b).stored == 3
+        assert tcp.lookup(NS, b) == ["primary"] * 3
+    assert pinned(shm_agent) == 0
+
+
+def test_a_sibling_of_a_restarted_agent_is_refused(sock_dir: str) -> None:
+    """The agent behind the socket restarted (a new memfd): a sibling would read another
+    arena's bytes through the old mapping, so it is refused."""
+    path = os.path.join(sock_dir, "agent.sock")
+    first = ShmAgent(agent_config(), path)
+    client = first.shm()
+    first.close()
+    second = ShmAgent(agent_config(), path)
+    try:
+        with pytest.raises(TransferError, match="not the one mapped") as refused:
+            client.sibling()
+        assert refused.value.status == 409
+        with second.shm() as fresh:
+            fresh.sibling().close()  # the same agent: accepted
+    finally:
+        client.close()
+        second.close()
+
+
 def test_a_client_dying_after_reserving_leaks_nothing(shm_agent: ShmAgent) -> None:
     before = shm_agent.state(arena=False)
     client = shm_agent.shm()

@@ -140,6 +140,16 @@ def _host_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def _arena_identity(reply: dict[str, Any], fds: list[int]) -> tuple[object, ...]:
+    """What names the arena a MAP reply hands over: its memfd's inode, or its IPC handle."""
+    if reply.get("kind") == "cuda":
+        return ("cuda", bytes(reply["handle"]), int(reply.get("offset", 0)))
+    if len(fds) != 1:
+        raise TransferError(502, "map: the agent sent no memfd")
+    st = os.fstat(fds[0])
+    return ("memfd", st.st_dev, st.st_ino)
+
+
 class ShmClient:
     """One authenticated same-node connection and the agent's arena mapped beside it.
 
@@ -165,6 +175,7 @@ class ShmClient:
     ) -> None:
         self.path = path
         self.copy_threads = max(1, int(copy_threads))
+        self._settings = (token, timeout, connect_timeout)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(connect_timeout)
@@ -176,6 +187,7 @@ class ShmClient:
         self._geometry: Geometry = self._conn.geometry
         self._lock = threading.Lock()
         self._mapping: mmap.mmap | None = None
+        self._arena_id: tuple[object, ...] | None = None
         self.arena: torch.Tensor | None = None
         """The agent's arena as a flat uint8 tensor (None without ``map_arena``)."""
         self.views: list[torch.Tensor] = []
@@ -193,6 +205,7 @@ class ShmClient:
         try:
             _, reply = self._conn.request(Op.MAP, {} if cuda is None else {"cuda": cuda}, fds=fds)
             size = int(reply["size"])
+            self._arena_id = _arena_identity(reply, fds)
             if reply.get("kind") == "cuda":
                 arena = open_arena(CudaArenaHandle.from_meta(reply))
             else:
@@ -217,6 +230,38 @@ class ShmClient:
             for i, (p, m) in enumerate(zip(self._geometry.pools, reply["pools"], strict=True))
         ]
         return arena
+
+    def sibling(self) -> ShmClient:
+        """A second connection to the same agent that shares this client's mapping (no
+        second MAP): calls on the two run side by side (a connector's loads beside its
+        saves), each connection's reads and reservations its own."""
+        token, timeout, connect_timeout = self._settings
+        twin = ShmClient(
+            self.path,
+            token=token,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            copy_threads=self.copy_threads,
+            map_arena=False,
+        )
+        fds: list[int] = []
+        try:
+            # The agent may have restarted since this client mapped its arena: the new one
+            # must be the very memory this mapping shows (the memfd's inode, the IPC handle).
+            _, reply = twin._conn.request(Op.MAP, {}, fds=fds)
+            same = _arena_identity(reply, fds) == self._arena_id
+        except BaseException:
+            twin.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if not same or twin._geometry != self._geometry:
+            twin.close()
+            raise TransferError(409, "sibling: the agent behind the socket is not the one mapped")
+        twin.arena, twin.views, twin._mapping = self.arena, self.views, self._mapping
+        twin._placements = self._placements
+        return twin
 
     @property
     def device(self) -> torch.device | None:

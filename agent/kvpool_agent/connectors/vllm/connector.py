@@ -160,6 +160,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._token = self.settings.token()
         self._discovery = Discovery(self.settings)
         self._client: KVClient | None = None
+        self._saver: tuple[ShmClient, ShmClient] | None = None
+        """On the same node: the saves' own connection, and the client it shares a mapping of."""
         self._scheduler = role == KVConnectorRole.SCHEDULER
         self._client_replicas: list[str] = []
         self._client_lock = threading.Lock()
@@ -246,6 +248,28 @@ class KvpoolConnector(KVConnectorBase_V1):
                     self._failed(f"connecting to the same-node agent {path}", err)
                     return None
             return self._client
+
+    def _save_client(self, timeout: float) -> KVClient | None:
+        """The saves' client. On the same node, a connection of their own beside the loads'
+        (``ShmClient.sibling``, sharing its mapping), so a save's PUT never waits behind a
+        load's reads nor the other way round; the shared client where that fails, and over
+        the transfer port (whose client pools connections)."""
+        main = self._transfer(timeout)
+        if not isinstance(main, ShmClient):
+            return main
+        with self._client_lock:
+            if self._saver is not None:
+                saver, parent = self._saver
+                if parent is main and not saver.broken:
+                    return saver
+                saver.close()
+                self._saver = None
+            try:
+                self._saver = (main.sibling(), main)
+            except (TransferError, TransferConnectionError, OSError) as err:
+                log.warning("kvpool: saves share the loads' connection (%s)", err)
+                return main
+            return self._saver[0]
 
     def _silenced(self) -> bool:
         return time.monotonic() < self._silent_until
@@ -629,7 +653,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         while (item := self._saves.get()) is not None:
             ns, keys, first, kv = item
             try:
-                client = self._transfer(self.settings.transfer_timeout_s)
+                client = self._save_client(self.settings.transfer_timeout_s)
                 if client is None or not self._check_geometry(strict=False):
                     raise TransferConnectionError("no usable replica", request_sent=False)
                 result = client.put(ns, keys, [kv], first=first, priority=self.settings.priority)
@@ -657,6 +681,9 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._sender.join(timeout=5)
             self._sender = None
         with self._client_lock:
+            if self._saver is not None:
+                self._saver[0].close()
+                self._saver = None
             if self._client is not None:
                 self._client.close()
                 self._client = None
