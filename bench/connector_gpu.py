@@ -12,7 +12,9 @@ Per request of ``--blocks`` blocks, the median of ``--reps``:
 - load: lease, ``LayerLoad`` reads 4 layer ranges on its thread into host buffers while the
   engine thread uploads each landed layer (``scatter_layer``), then waits; with pinned
   buffers (what the connector uses on a GPU) and pageable ones (what it used before);
-  against the GET alone into a pinned buffer, and one contiguous pinned -> device copy;
+  against the GET alone into a pinned buffer, and one contiguous pinned -> device copy; the
+  same over 8 layer ranges read 1, 2, 4 and 8 at once (``load_streams``), each on its own
+  connection;
 - same node, CUDA agent: a second agent with its primary tier on this GPU, mapped through
   CUDA IPC by ``ShmClient`` (what the connector's ``unix_socket`` setting opens): the save
   PUT (pinned host -> device arena) and the load, which reads device to device into buffers
@@ -54,6 +56,8 @@ from kvpool_agent.dataplane.shm import ShmClient
 
 console = Console()
 MODEL = GEOMETRIES["2MiB"]
+STREAMS = (1, 2, 4, 8)
+"""``load_streams`` of the load rows over 8 layer ranges."""
 
 
 def median_s(fn: Callable[[], object], reps: int) -> float:
@@ -97,7 +101,7 @@ def main() -> None:
     counter = iter(range(1 << 30))
 
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console) as bar:
-        task = bar.add_task("connector on GPU", total=12)
+        task = bar.add_task("connector on GPU", total=12 + len(STREAMS))
         agent = AgentProcess(Path(tmp), MODEL, 4 * nbytes, None)
         client = TransferClient([agent.address])
         gpu_agent = AgentProcess(Path(tmp), MODEL, 4 * nbytes, None, device="cuda")
@@ -126,15 +130,17 @@ def main() -> None:
             chain = [f"load-{i}".encode() for i in range(n)]
             client.put(NS, chain, [saved["kv"]])
 
-            def load(pin: bool, via: KVClient = client) -> Callable[[], None]:
+            def load(
+                pin: bool, via: KVClient = client, chunks: int = 4, streams: int = 1
+            ) -> Callable[[], None]:
                 def run() -> None:
                     lease = via.lease(NS, chain, ttl_s=60)
                     assert lease is not None and lease.count == n
                     item = LoadItem("r", dst_ids, 0, lease, n, dst_index)
                     job = LayerLoad(
-                        [item], layers, 4, client=lambda: via, usable=lambda: True,
+                        [item], layers, chunks, client=lambda: via, usable=lambda: True,
                         timeout_s=60, stats=ConnectorStats(), pin_memory=pin,
-                        pages_device=views[0].device,
+                        pages_device=views[0].device, streams=streams,
                     )  # fmt: skip
                     job.start()
                     for layer in range(layers):
@@ -150,6 +156,11 @@ def main() -> None:
             bar.advance(task)
             rows["load, pageable buffers"] = median_s(load(False), args.reps)
             bar.advance(task)
+            for streams in STREAMS:
+                rows[f"load, pinned, 8 ranges, {streams} at a time"] = median_s(
+                    load(True, chunks=8, streams=streams), args.reps
+                )
+                bar.advance(task)
             buf = client.empty_kv(n, pin_memory=True)
 
             def get_only() -> None:
@@ -211,6 +222,8 @@ def main() -> None:
             "load pinned / GET alone": gbps["load, pinned buffers"] / gbps["GET alone (pinned)"],
             "load pinned / load pageable": gbps["load, pinned buffers"]
             / gbps["load, pageable buffers"],
+            "load 8 ranges, 4 at a time / 1": gbps["load, pinned, 8 ranges, 4 at a time"]
+            / gbps["load, pinned, 8 ranges, 1 at a time"],
             "same-node load / device->device": gbps["load, same node (CUDA agent)"]
             / gbps["device -> device copy"],
             "same-node load / load pinned (TCP)": gbps["load, same node (CUDA agent)"]

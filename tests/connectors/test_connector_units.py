@@ -43,6 +43,17 @@ def test_settings_refuse_bad_fields_by_name() -> None:
         ConnectorSettings.parse({"pool": "p", "layerwise": "sometimes"})
 
 
+def test_load_streams_default_to_a_quarter_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = ConnectorSettings.parse({"pool": "p"})
+    for cpus, streams in ((1, 1), (2, 1), (8, 2), (16, 4), (64, 4)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert settings.streams() == streams, cpus
+    assert ConnectorSettings.parse({"pool": "p", "load_streams": 8}).streams() == 8
+    for bad in (0, 17):
+        with pytest.raises(ConnectorConfigError, match="load_streams"):
+            ConnectorSettings.parse({"pool": "p", "load_streams": bad})
+
+
 def test_token_comes_from_the_file_or_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

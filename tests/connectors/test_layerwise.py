@@ -55,6 +55,7 @@ def load(
     timeout_s: float = 10.0,
     on_chunk: Callable[[int], object] | None = None,
     stats: ConnectorStats | None = None,
+    streams: int = 1,
 ) -> LayerLoad:
     lease = client.lease(NS, keys, ttl_s=30)
     assert lease is not None
@@ -69,6 +70,7 @@ def load(
         timeout_s=timeout_s,
         stats=stats or ConnectorStats(),
         on_chunk=on_chunk,
+        streams=streams,
     )
 
 
@@ -100,6 +102,30 @@ def test_a_layer_is_taken_before_the_next_one_arrived(agent: Agent) -> None:
     outcome = job.finish()
     assert outcome.loaded_blocks == 3 and not outcome.failed_block_ids
     assert stats.load_chunks == LAYERS and stats.load_chunk_errors == 0
+
+
+def test_streams_read_ranges_at_once_on_connections_of_their_own(agent: Agent) -> None:
+    """With two streams the second range lands while the first one's reader is held: it
+    was read beside it, over another connection; both land bit-exact."""
+    client, keys, kv = stored(agent, 4, 6)
+    gate, stats = threading.Event(), ConnectorStats()
+    job = load(
+        client, keys, [7, 3, 5, 1], on_chunk=lambda c: c == 0 and gate.wait(10), stats=stats,
+        streams=2,
+    )  # fmt: skip
+    job.start()
+    assert job.landed[1].wait(10) and job.landed[0].is_set()  # range 0's reader is held
+    (item,) = job.take(1)
+    assert item.kv is not None and torch.equal(item.kv[1], kv[1])
+    gate.set()
+    assert job.take(0) == [item]
+    assert torch.equal(item.kv, kv)
+    outcome = job.finish()
+    assert outcome.loaded_blocks == 4 and not outcome.failed_block_ids
+    assert stats.load_chunks == LAYERS and stats.load_chunk_errors == 0
+    assert job._thread is not None
+    job._thread.join(10)
+    assert sum(int(r["blocks_pinned"]) for r in agent.usage()) == 0  # leases released
 
 
 def test_a_range_that_fails_fails_the_request(agent: Agent) -> None:

@@ -521,6 +521,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             on_chunk=self._load_chunk_landed,
             pin_memory=self._views[0].device.type == "cuda",
             pages_device=self._views[0].device,
+            streams=self.settings.streams(),
         )
         self._loading = job
         if not job.pending:

@@ -1,7 +1,8 @@
 """A step's loads and saves, layer by layer (no vLLM import: tested without it).
 
 Loads (``LayerLoad``): a thread reads every request's leased blocks in a few layer ranges
-(``layer_chunks``), in layer order, into buffers of its own (host memory; the pages' GPU
+(``layer_chunks``), in layer order (``streams`` ranges at once over the transfer port, each
+on a connection of its own), into buffers of its own (host memory; the pages' GPU
 when a same-node client maps a CUDA agent's arena there); the engine takes a layer
 (``take``) when its attention is about to read it, copying that layer's landed blocks into
 vLLM's pages itself. vLLM's pages are only ever written by the engine's thread, inside the
@@ -21,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -62,8 +64,8 @@ class LoadItem:
     """``block_ids[:count]`` as an index tensor on the pages' device."""
     kv: torch.Tensor | None = None
     """``[layers, count, 2, bs, heads, dim]``, filled range by range by the thread."""
-    landed: int = 0
-    """Layer ranges fully received (written by the thread only, and only ever grows)."""
+    got: set[int] = field(default_factory=set)
+    """Layer ranges fully received (written by the reading threads only, only ever grows)."""
     missed: bool = False
     """The engine took a layer whose range had not landed (decided by the engine only)."""
 
@@ -94,8 +96,12 @@ class LayerLoad:
         on_chunk: Callable[[int], object] | None = None,
         pin_memory: bool = False,
         pages_device: torch.device | None = None,
+        streams: int = 1,
     ) -> None:
         self.items = items
+        self.streams = max(1, streams)
+        """Layer ranges read at once, each on a connection of its own (a same-node client
+        has one connection: one range at a time)."""
         self.pin_memory = pin_memory
         """Read into page-locked buffers (pages on a GPU: uploads then run at DMA speed and
         do not wait for the host)."""
@@ -126,8 +132,9 @@ class LayerLoad:
         self._thread.start()
 
     def run(self) -> None:
-        """Every range of every item, in layer order, then the leases released. Never
-        raises: whatever fails leaves its items short of ``landed``."""
+        """Every range of every item, ranges in layer order (``streams`` of them at once),
+        then the leases released. Never raises: whatever fails leaves its items without
+        the range."""
         client: KVClient | None = None
         started = time.perf_counter()
         try:
@@ -142,34 +149,17 @@ class LayerLoad:
                         item.count, pin_memory=self.pin_memory, device=device
                     )[0]
             failed: set[int] = set()
-            for c, (lo, hi) in enumerate(self.chunks):
-                for i, item in enumerate(self.items):
-                    if item.kv is None or item.lease is None or i in failed or self.abandoned:
-                        continue
-                    try:
-                        client.get_into(
-                            item.lease,
-                            [item.kv[lo:hi]],
-                            start=item.first,
-                            count=item.count,
-                            layers=(lo, hi),
-                        )
-                    except TRANSFER_ERRORS as err:
-                        failed.add(i)
-                        self._stats.add(load_chunk_errors=1)
-                        log.warning(
-                            "kvpool: load of %s, layers %d..%d, failed (%s); vLLM recomputes it",
-                            item.req_id,
-                            lo,
-                            hi - 1,
-                            err,
-                        )
-                        continue
-                    item.landed = c + 1
-                    self._stats.add(load_chunks=1)
-                self.landed[c].set()
-                if self._on_chunk is not None:
-                    self._on_chunk(c)
+            streams = 1 if isinstance(client, ShmClient) else min(self.streams, len(self.chunks))
+            if streams == 1:
+                for c in range(len(self.chunks)):
+                    self._read_range(client, c, failed)
+            else:
+                with ThreadPoolExecutor(streams, thread_name_prefix="kvpool-load") as pool:
+                    # Submitted in layer order: the first ranges are read first.
+                    ranges = range(len(self.chunks))
+                    reads = [pool.submit(self._read_range, client, c, failed) for c in ranges]
+                    for read in reads:
+                        read.result()
         except Exception:  # anything else: the items that did not land fail, the engine goes on
             log.exception("kvpool: load failed; vLLM recomputes it")
         finally:
@@ -182,6 +172,37 @@ class LayerLoad:
                         # A release that fails is harmless: the lease expires on its own.
                         with contextlib.suppress(*TRANSFER_ERRORS):
                             client.release(item.lease)
+
+    def _read_range(self, client: KVClient, c: int, failed: set[int]) -> None:
+        """Range ``c`` of every item not failed yet, one GET each; then announce it."""
+        lo, hi = self.chunks[c]
+        for i, item in enumerate(self.items):
+            if item.kv is None or item.lease is None or i in failed or self.abandoned:
+                continue
+            try:
+                client.get_into(
+                    item.lease,
+                    [item.kv[lo:hi]],
+                    start=item.first,
+                    count=item.count,
+                    layers=(lo, hi),
+                )
+            except TRANSFER_ERRORS as err:
+                failed.add(i)
+                self._stats.add(load_chunk_errors=1)
+                log.warning(
+                    "kvpool: load of %s, layers %d..%d, failed (%s); vLLM recomputes it",
+                    item.req_id,
+                    lo,
+                    hi - 1,
+                    err,
+                )
+                continue
+            item.got.add(c)
+            self._stats.add(load_chunks=1)
+        self.landed[c].set()
+        if self._on_chunk is not None:
+            self._on_chunk(c)
 
     def _buffer_device(self, client: KVClient) -> torch.device | None:
         """Where reads land: the pages' GPU when ``client`` maps the agent's arena on it,
@@ -206,8 +227,8 @@ class LayerLoad:
         for item in self.items:
             if item.count <= 0 or item.missed:
                 continue
-            # ``landed`` only grows, and the range's bytes are in ``kv`` before it does.
-            if item.landed > c and item.kv is not None:
+            # ``got`` only grows, and the range's bytes are in ``kv`` before it does.
+            if c in item.got and item.kv is not None:
                 ready.append(item)
             else:
                 item.missed = True
