@@ -17,8 +17,10 @@ Per request of ``--blocks`` blocks, the median of ``--reps``:
   connection;
 - same node, CUDA agent: a second agent with its primary tier on this GPU, mapped through
   CUDA IPC by ``ShmClient`` (what the connector's ``unix_socket`` setting opens): the save
-  PUT (pinned host -> device arena) and the load, which reads device to device into buffers
-  on the pages' GPU; against one contiguous device -> device copy.
+  PUT (pinned host -> device arena), the save copy into a buffer on the GPU and its PUT
+  (device to device: what the connector does for a same-node CUDA agent), and the load,
+  which reads device to device into buffers on the pages' GPU; against one contiguous
+  device -> device copy.
 
     python bench/connector_gpu.py [--blocks 128] [--reps 5]
 
@@ -101,7 +103,7 @@ def main() -> None:
     counter = iter(range(1 << 30))
 
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console) as bar:
-        task = bar.add_task("connector on GPU", total=12 + len(STREAMS))
+        task = bar.add_task("connector on GPU", total=14 + len(STREAMS))
         agent = AgentProcess(Path(tmp), MODEL, 4 * nbytes, None)
         client = TransferClient([agent.address])
         gpu_agent = AgentProcess(Path(tmp), MODEL, 4 * nbytes, None, device="cuda")
@@ -184,6 +186,25 @@ def main() -> None:
 
             rows["save PUT, same node (CUDA agent)"] = median_s(put_same_node, args.reps)
             bar.advance(task)
+
+            def save_copy_on_device() -> None:
+                save = LayerSave([SavePart("r", [], 0, 0, n)], ids, views[0], on_device=True)
+                for layer in range(layers):
+                    save.copy(views, layer)
+                ((_, kv),) = save.finish(views)
+                saved["on_device"] = kv
+
+            rows["save copy, same node (buffer on the GPU)"] = median_s(
+                save_copy_on_device, args.reps
+            )
+            bar.advance(task)
+
+            def put_from_device() -> None:
+                keys = [f"d{next(counter)}-{i}".encode() for i in range(n)]
+                shm.put(NS, keys, [saved["on_device"]])
+
+            rows["save PUT, same node, from the GPU buffer"] = median_s(put_from_device, args.reps)
+            bar.advance(task)
             shm.put(NS, chain, [saved["kv"]])
             rows["load, same node (CUDA agent)"] = median_s(load(True, shm), args.reps)
             bar.advance(task)
@@ -230,6 +251,13 @@ def main() -> None:
             / gbps["load, pinned buffers"],
             "same-node save PUT / save PUT (TCP)": gbps["save PUT, same node (CUDA agent)"]
             / gbps["save PUT"],
+            "same-node save, GPU buffer / pinned buffer (copy + PUT)": (
+                rows["save copy (LayerSave)"] + rows["save PUT, same node (CUDA agent)"]
+            )
+            / (
+                rows["save copy, same node (buffer on the GPU)"]
+                + rows["save PUT, same node, from the GPU buffer"]
+            ),
         },
     }
     table = Table(title=f"connector copies on {result['device']}: {n} blocks of 2 MiB")

@@ -128,7 +128,8 @@ def test_a_save_waits_for_the_forward_pass_on_its_stream() -> None:
 def test_a_same_node_cuda_agent_loads_device_to_device(start_agent: Any, tmp_path: Path) -> None:
     """A real ``kvpool agent`` with its primary tier on this GPU and a Unix socket: the
     connector's same-node client maps the device tier without being told its kind, saved
-    blocks land there through a sibling connection (its IPC handle checked to be the same),
+    blocks (copied out into a buffer on the GPU) land there through a sibling connection (its
+    IPC handle checked to be the same),
     and a load reads into buffers on the pages' GPU (no host buffer) and writes bit-exact
     pages, leaving the others untouched; no byte crosses a socket."""
     doc = {
@@ -151,8 +152,14 @@ def test_a_same_node_cuda_agent_loads_device_to_device(start_agent: Any, tmp_pat
             src_views = [layout.blocks_view(t) for t in src]
             saved_ids = [9, 2, 17, 5]
             want = gather(src_views, saved_ids)
-            save = LayerSave([SavePart("r", [], 0, 0, len(saved_ids))], saved_ids, src_views[0])
+            part = SavePart("r", [], 0, 0, len(saved_ids))
+            save = LayerSave([part], saved_ids, src_views[0], on_device=True)
+            for layer in range(LAYERS):
+                assert save.copy(src_views, layer)
+                src[layer].fill_(7.0)  # queued after the copy on the same stream
             ((_, kv),) = save.finish(src_views)
+            assert kv.device == src_views[0].device  # the buffer stayed on the GPU
+            assert torch.equal(kv.cpu(), want)
             keys = keys_for(5, len(saved_ids))
             with shm.sibling() as saver:  # the saves' own connection, as the connector's
                 assert saver.arena is shm.arena

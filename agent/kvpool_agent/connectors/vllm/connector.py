@@ -160,6 +160,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._token = self.settings.token()
         self._discovery = Discovery(self.settings)
         self._client: KVClient | None = None
+        self._device_saves = 0
+        """Queued saves whose buffer is in GPU memory (``_save_on_device``)."""
         self._saver: tuple[ShmClient, ShmClient] | None = None
         """On the same node: the saves' own connection, and the client it shares a mapping of."""
         self._scheduler = role == KVConnectorRole.SCHEDULER
@@ -623,8 +625,23 @@ class KvpoolConnector(KVConnectorBase_V1):
                 block_ids.extend(spec.block_ids)
         if not parts:
             return None
-        self._saving = LayerSave(parts, block_ids, self._views[0])
+        self._saving = LayerSave(parts, block_ids, self._views[0], on_device=self._save_on_device())
         return self._saving
+
+    def _save_on_device(self) -> bool:
+        """Whether this step's save buffer goes to the pages' GPU: the same-node agent's
+        arena is there (the blocks then never cross PCIe), and no earlier step's device
+        buffer still waits for the sender (each holds the step's saved blocks in GPU memory
+        vLLM did not budget for: at most two steps' at once)."""
+        with self._client_lock:
+            client = self._client
+            waiting = self._device_saves
+        return (
+            isinstance(client, ShmClient)
+            and client.device is not None
+            and client.device == self._views[0].device
+            and waiting == 0
+        )
 
     def wait_for_save(self) -> None:
         failed = self._finish_load()
@@ -644,6 +661,9 @@ class KvpoolConnector(KVConnectorBase_V1):
             except queue.Full:
                 self.stats.add(saves_dropped=1)
                 continue
+            if kv.is_cuda:
+                with self._client_lock:
+                    self._device_saves += 1
             if self._sender is None:
                 self._sender = threading.Thread(
                     target=self._send_saves, name="kvpool-save", daemon=True
@@ -653,6 +673,8 @@ class KvpoolConnector(KVConnectorBase_V1):
     def _send_saves(self) -> None:
         while (item := self._saves.get()) is not None:
             ns, keys, first, kv = item
+            del item  # the buffer goes with ``kv``, before the next save is waited for
+            on_device = kv.is_cuda
             try:
                 client = self._save_client(self.settings.transfer_timeout_s)
                 if client is None or not self._check_geometry(strict=False):
@@ -663,6 +685,10 @@ class KvpoolConnector(KVConnectorBase_V1):
                 self.stats.add(save_errors=1)
                 log.warning("kvpool: save of %d blocks failed (%s)", len(keys) - first, err)
             finally:
+                del kv
+                if on_device:
+                    with self._client_lock:
+                        self._device_saves -= 1
                 self._saves.task_done()
         self._saves.task_done()
 

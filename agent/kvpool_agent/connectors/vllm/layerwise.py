@@ -276,12 +276,22 @@ class SavePart:
 
 class LayerSave:
     """One step's saves: ``blocks`` (every request's, concatenated) copied layer by layer
-    into one host buffer ``[layers, blocks, 2, bs, heads, dim]``."""
+    into one buffer ``[layers, blocks, 2, bs, heads, dim]``: in host memory, or with
+    ``on_device`` in the pages' own GPU (for a same-node CUDA agent, whose arena is there:
+    the blocks then never cross PCIe, at the cost of GPU memory while the save is queued)."""
 
-    def __init__(self, parts: list[SavePart], block_ids: Sequence[int], like: torch.Tensor) -> None:
+    def __init__(
+        self,
+        parts: list[SavePart],
+        block_ids: Sequence[int],
+        like: torch.Tensor,
+        *,
+        on_device: bool = False,
+    ) -> None:
         self.parts = parts
         self.index = torch.tensor(list(block_ids), dtype=torch.long, device=like.device)
         self.device = like.device
+        self.on_device = on_device and like.device.type == "cuda"
         self.out: torch.Tensor | None = None
         self._shape = (len(block_ids), *like.shape[1:])
         self._dtype = like.dtype
@@ -297,10 +307,11 @@ class LayerSave:
             self.out = torch.empty(
                 (len(views), *self._shape),
                 dtype=self._dtype,
-                pin_memory=self.device.type == "cuda",
+                device=self.device if self.on_device else None,
+                pin_memory=self.device.type == "cuda" and not self.on_device,
             )
         view = views[layer]
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.on_device:
             torch.index_select(view, 0, self.index, out=self.out[layer])
         else:
             self.out[layer].copy_(view.index_select(0, self.index), non_blocking=True)
