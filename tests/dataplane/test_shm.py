@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from kvpool_agent.config import AgentConfig
 from kvpool_agent.dataplane.client import ChainGapError, TransferError
-from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, NotOnCuda, export_arena
+from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, NotOnCuda, export_arena, local_index
 from kvpool_agent.dataplane.protocol import (
     F_ERROR,
     FORBIDDEN,
@@ -494,6 +494,18 @@ def test_cuda_handle_meta_round_trips() -> None:
     assert CudaArenaHandle.from_meta(doc) == handle
     with pytest.raises(ValueError, match="not a CUDA arena"):
         CudaArenaHandle.from_meta({**doc, "kind": "memfd"})
+
+
+def test_the_engine_finds_the_agents_gpu_by_uuid() -> None:
+    """Containers number a node's GPUs each their own way: the handle names the GPU by
+    UUID, and one the engine does not see is refused with both sides named."""
+    handle = CudaArenaHandle(2, b"h", 1, 0, b"r", 0, b"", False, 0, 1, uuid="GPU-c")
+    assert CudaArenaHandle.from_meta(handle.to_meta()) == handle
+    assert local_index(handle, ["GPU-a", "GPU-c"]) == 1  # the agent's 2 is this process's 1
+    old_agent = CudaArenaHandle(2, b"h", 1, 0, b"r", 0, b"", False, 0, 1)
+    assert local_index(old_agent, ["GPU-a"]) == 2  # no UUID sent: the agent's index
+    with pytest.raises(NotOnCuda, match=r"GPU-c, which this process does not see.*GPU-a"):
+        local_index(handle, ["GPU-a", "GPU-b"])
 
 
 def test_map_with_cuda_on_a_cpu_agent_is_refused(shm_agent: ShmAgent) -> None:

@@ -5,12 +5,15 @@ instead through a CUDA IPC handle (``cudaIpcGetMemHandle`` under torch's storage
 same handles ``torch.multiprocessing`` passes between processes). The handle travels in the
 MAP reply over the Unix socket, after AUTH, so only an authenticated local peer gets it.
 
-``export_arena`` runs in the agent, ``open_arena`` in the engine. Both need CUDA; the message
-format (``cuda_meta``/``from_meta``) and the refusal on a CPU tensor are plain Python.
+``export_arena`` runs in the agent, ``open_arena`` in the engine, which finds the GPU by its
+UUID (containers of one pod may number the node's GPUs differently). Both need CUDA; the
+message format (``to_meta``/``from_meta``), the UUID match (``local_index``) and the refusal on
+a CPU tensor are plain Python.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +41,9 @@ class CudaArenaHandle:
     """Byte offset of the arena in the storage."""
     size: int
     """Bytes of the arena."""
+    uuid: str = ""
+    """The GPU's UUID (``device`` is the agent's index of it, which another container may
+    number differently); empty from an agent that did not send it."""
 
     def to_meta(self) -> dict[str, Any]:
         return {
@@ -52,6 +58,7 @@ class CudaArenaHandle:
             "event_sync_required": self.event_sync_required,
             "offset": self.offset,
             "size": self.size,
+            "uuid": self.uuid,
         }
 
     @classmethod
@@ -69,6 +76,7 @@ class CudaArenaHandle:
             event_sync_required=bool(doc["event_sync_required"]),
             offset=int(doc["offset"]),
             size=int(doc["size"]),
+            uuid=str(doc.get("uuid", "")),
         )
 
 
@@ -104,6 +112,21 @@ def export_arena(arena: torch.Tensor) -> CudaArenaHandle:
         event_sync_required=bool(event_sync_required),
         offset=int(arena.storage_offset()),
         size=arena.numel(),
+        uuid=str(torch.cuda.get_device_properties(int(device)).uuid),
+    )
+
+
+def local_index(handle: CudaArenaHandle, visible: Sequence[str]) -> int:
+    """This process's index of the agent's GPU, found by UUID among ``visible`` (the UUIDs
+    of this process's devices, in index order); the agent's own index when it sent no
+    UUID. A GPU this process cannot see is refused: the engine's pages would not be there."""
+    if not handle.uuid:
+        return handle.device
+    if handle.uuid in visible:
+        return list(visible).index(handle.uuid)
+    raise NotOnCuda(
+        f"the agent's arena is on GPU {handle.uuid}, which this process does not see "
+        f"(it sees {len(visible)}: {', '.join(visible) or 'none'}); give the engine that GPU"
     )
 
 
@@ -113,8 +136,11 @@ def open_arena(handle: CudaArenaHandle) -> torch.Tensor:
     if not torch.cuda.is_available():
         raise NotOnCuda("open_arena: this process has no CUDA device")
     torch.cuda._lazy_init()
+    count = torch.cuda.device_count()
+    visible = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
+    device = local_index(handle, visible)
     storage = torch.UntypedStorage._new_shared_cuda(
-        handle.device,
+        device,
         handle.handle,
         handle.storage_size,
         handle.storage_offset,
@@ -123,6 +149,6 @@ def open_arena(handle: CudaArenaHandle) -> torch.Tensor:
         handle.event_handle or None,
         handle.event_sync_required,
     )
-    out = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", handle.device))
+    out = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))
     out.set_(storage, handle.offset, (handle.size,), (1,))
     return out
