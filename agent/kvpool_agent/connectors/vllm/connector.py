@@ -69,6 +69,7 @@ from kvpool_agent.dataplane.client import (
     TransferConnectionError,
     TransferError,
 )
+from kvpool_agent.dataplane.cuda_ipc import NotOnCuda
 from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.dataplane.shm import ShmClient
 
@@ -246,7 +247,15 @@ class KvpoolConnector(KVConnectorBase_V1):
                         connect_timeout=min(timeout, 1.0),
                         map_arena=not self._scheduler,
                     )
-                except (TransferError, TransferConnectionError, OSError) as err:
+                except (
+                    TransferError,
+                    TransferConnectionError,
+                    OSError,
+                    NotOnCuda,
+                    RuntimeError,
+                ) as err:
+                    # NotOnCuda: a CUDA agent's GPU this process does not see (or no CUDA);
+                    # RuntimeError: CUDA refused to open the agent's IPC handle.
                     self._failed(f"connecting to the same-node agent {path}", err)
                     return None
             return self._client
