@@ -1021,6 +1021,9 @@ class Connection:
                         "max_lease_ttl_s": cfg.max_lease_ttl_s,
                         "crc": crc,
                         "same_node": self.local,
+                        # Which pod of its pool this agent is (a client on its node matches
+                        # it to its name in the ring: dataplane/routed.py).
+                        "pod": os.environ.get("POD_NAME") or None,
                     },
                 )
             )

@@ -264,6 +264,12 @@ class ShmClient:
         return twin
 
     @property
+    def pod(self) -> str | None:
+        """The agent's pod name (its ``POD_NAME``), as its AUTH reply gives it."""
+        pod = self._conn.auth_reply.get("pod")
+        return str(pod) if pod else None
+
+    @property
     def device(self) -> torch.device | None:
         """Where the mapped arena lives (a GPU for a CUDA agent's); None without a mapping.
         Copies between the arena and tensors on the same device stay on that device."""
