@@ -24,8 +24,10 @@ def test_settings_refuse_bad_fields_by_name() -> None:
         ConnectorSettings.parse({})
     with pytest.raises(ConnectorConfigError, match="set exactly one"):
         ConnectorSettings.parse({"pool": "p", "replicas": ["h:1"]})
-    with pytest.raises(ConnectorConfigError, match="and `unix_socket`"):
-        ConnectorSettings.parse({"replicas": ["h:1"], "unix_socket": "/run/kvpool/t.sock"})
+    with pytest.raises(ConnectorConfigError, match="`unix_socket` beside either"):
+        ConnectorSettings.parse({"pool": "p", "replicas": ["h:1"], "unix_socket": "/r/t.sock"})
+    both = ConnectorSettings.parse({"replicas": ["h:1"], "unix_socket": "/run/kvpool/t.sock"})
+    assert both.replicas == ["h:1"] and both.unix_socket == "/run/kvpool/t.sock"
     with pytest.raises(ConnectorConfigError, match="unix_socket: String should have at most"):
         ConnectorSettings.parse({"unix_socket": "/" + "x" * 120})
     assert ConnectorSettings.parse({"unix_socket": "/run/t.sock"}).unix_socket == "/run/t.sock"

@@ -102,6 +102,7 @@ def test_the_agent_says_which_pod_it_is(
     pair: tuple[ShmAgent, ShmAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, _ = pair
+    monkeypatch.delenv("POD_NAME", raising=False)
     with ShmClient(a.path) as shm:
         assert shm.pod is None  # no POD_NAME: outside a pod
     monkeypatch.setenv("POD_NAME", "pool-1")

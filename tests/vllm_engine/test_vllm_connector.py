@@ -347,6 +347,56 @@ def test_engines_share_kv_through_a_same_node_agent(
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
+def test_a_pools_agent_on_this_node_is_reached_through_its_socket(
+    vllm_python: Path,
+    model_dir: Path,
+    baseline: dict[str, Any],
+    tmp_path: Path,
+    start_agent: Callable[..., AgentProcess],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``unix_socket`` beside ``replicas``: the agent behind the socket says it is pod
+    ``localhost``, the ring member ``localhost:PORT``, so A stores and B loads its chains
+    through the arena (its transfer port moves no KV) with the baseline's outputs. Named by
+    address instead, the ring has no member of that pod: C goes over the transfer port."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvp-"))  # a socket path has at most 107 bytes
+    (tmp_path / "pool").mkdir()
+    monkeypatch.setenv("POD_NAME", "localhost")  # the agent's pod name (its AUTH reply)
+    own = start_pool(tmp_path / "pool", start_agent, unix_socket=str(sock_dir / "agent.sock"))
+    port = own.transfer.rsplit(":", 1)[1]
+
+    def engine(name: str, ring: str, phases: list[dict[str, Any]]) -> dict[str, Any]:
+        extra = {"replicas": [ring], "unix_socket": str(sock_dir / "agent.sock")}
+        spec = {
+            "model": str(model_dir),
+            "connector": {"module": "faulty", "class": "FaultyConnector", "extra": extra},
+            "pool_metrics": f"{own.agent.url}/metrics",
+            "phases": phases,
+        }
+        return run_engine(vllm_python, tmp_path, name, spec, token=TOKENS["a"])
+
+    want_q = phase(baseline, "q")["outputs"]
+    try:
+        by_name = f"localhost:{port}"
+        store = phase(engine("A-node", by_name, [{"name": "store", "prompts": P}]), "store")
+        assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
+        assert store["worker_stats"]["save_errors"] == 0
+        hit = phase(engine("B-node", by_name, [{"name": "hit", "prompts": Q}]), "hit")
+        assert [o["num_cached_tokens"] for o in hit["outputs"]] == [Q_HIT_TOKENS] * 3
+        assert hit["worker_stats"]["loaded_blocks"] == hit["scheduler_stats"]["hit_blocks"] > 0
+        assert same_outputs(hit["outputs"], want_q)
+        assert hit["pool_transfer_bytes"] == 0  # stored and read through the arena
+        by_address = phase(engine("C-node", own.transfer, [{"name": "hit", "prompts": Q}]), "hit")
+        # B saved Q's own blocks as well: C hits every full block of Q but the last token's.
+        whole = [(len(q) - 1) // BLOCK * BLOCK for q in Q]
+        assert [o["num_cached_tokens"] for o in by_address["outputs"]] == whole
+        assert same_outputs(by_address["outputs"], want_q)
+        assert by_address["pool_transfer_bytes"] > 0  # the same blocks, over the transfer port
+    finally:
+        own.agent.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
 def assert_layerwise_loads(record: dict[str, Any]) -> None:
     worker, scheduler = record["worker_stats"], record["scheduler_stats"]
     assert worker["load_chunks"] == LAYERS * scheduler["leases"] > 0

@@ -66,9 +66,11 @@ class ConnectorSettings(BaseModel):
         default=None,
         min_length=1,
         max_length=107,
-        description="Instead of `pool` and `replicas`: the socket of an agent on the same node "
-        "(its `transfer.unix_socket`, mounted into the engine's pod). The workers map the "
-        "agent's arena and copy KV in and out themselves; every key goes to that one agent.",
+        description="The socket of an agent on the same node (its `transfer.unix_socket`, "
+        "mounted into the engine's pod); its workers map the agent's arena and copy KV in and "
+        "out themselves. Alone: every key goes to that agent. Beside `pool` or `replicas`: the "
+        "pool's agent on this node (a pool with `agent.nodeSocket`), found in the ring by its "
+        "pod name; the chains that rank to it take the socket, the others the transfer port.",
     )
     token_file: str | None = Field(
         default=None, description=f"File holding the tenant token (else ${TOKEN_ENV})."
@@ -146,11 +148,13 @@ class ConnectorSettings(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> ConnectorSettings:
-        sources = [self.pool, self.replicas, self.unix_socket]
-        if sum(source is not None for source in sources) != 1:
+        if (self.pool is not None) + (self.replicas is not None) + (
+            self.unix_socket is not None
+        ) == 0 or (self.pool is not None and self.replicas is not None):
             raise ValueError(
-                "set exactly one of `pool` (a KVCachePool name), `replicas` (HOST:PORT list) "
-                "and `unix_socket` (a same-node agent's socket)"
+                "set exactly one of `pool` (a KVCachePool name) and `replicas` (HOST:PORT "
+                "list), `unix_socket` (a same-node agent's socket) alone, or `unix_socket` "
+                "beside either"
             )
         for replica in self.replicas or ():
             host, sep, port = replica.rpartition(":")

@@ -71,6 +71,7 @@ from kvpool_agent.dataplane.client import (
 )
 from kvpool_agent.dataplane.cuda_ipc import NotOnCuda
 from kvpool_agent.dataplane.keys import KeyNamespace
+from kvpool_agent.dataplane.routed import RoutedClient, ring_member
 from kvpool_agent.dataplane.shm import ShmClient
 
 if TYPE_CHECKING:
@@ -82,6 +83,15 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpool.connector.vllm")
+
+SHM_OPEN_ERRORS = (
+    TransferError,
+    TransferConnectionError,
+    OSError,
+    NotOnCuda,  # a CUDA agent's GPU this process does not see (or no CUDA here)
+    RuntimeError,  # CUDA refused to open the agent's IPC handle
+)
+"""What opening a same-node agent's socket and arena may fail with (the pool goes on)."""
 
 FLUSH_TIMEOUT_S = 30.0
 """How long ``shutdown`` waits for queued saves."""
@@ -163,6 +173,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._client: KVClient | None = None
         self._device_saves = 0
         """Queued saves whose buffer is in GPU memory (``_save_on_device``)."""
+        self._local: ShmClient | None = None
+        """Beside `pool`/`replicas`: the pool's agent on this node, through ``unix_socket``."""
+        self._routed: RoutedClient | None = None
+        self._local_retry_at = 0.0
         self._saver: tuple[ShmClient, ShmClient] | None = None
         """On the same node: the saves' own connection, and the client it shares a mapping of."""
         self._scheduler = role == KVConnectorRole.SCHEDULER
@@ -194,11 +208,18 @@ class KvpoolConnector(KVConnectorBase_V1):
             role.name.lower(),
             self.model_id,
             self.block_size,
-            f"pool {self.settings.pool}.{self.settings.namespace}"
-            if self.settings.pool
-            else f"same-node agent {self.settings.unix_socket}"
-            if self.settings.unix_socket
-            else f"replicas {self.settings.replicas}",
+            (
+                f"pool {self.settings.pool}.{self.settings.namespace}"
+                if self.settings.pool
+                else f"replicas {self.settings.replicas}"
+                if self.settings.replicas
+                else "no pool"
+            )
+            + (
+                f", same-node agent {self.settings.unix_socket}"
+                if self.settings.unix_socket
+                else ""
+            ),
         )
 
     # ------------------------------------------------------------------ shared
@@ -207,16 +228,19 @@ class KvpoolConnector(KVConnectorBase_V1):
         return KeyNamespace(self.model_id, rank=rank, layer_group=0)
 
     def _transfer(self, timeout: float) -> KVClient | None:
-        """A client over the replicas discovery finds now (None: none found), or of the
-        same-node agent (``unix_socket``)."""
-        if self.settings.unix_socket is not None:
-            return self._same_node(self.settings.unix_socket, timeout)
+        """A client over the replicas discovery finds now (None: none found), with the pool's
+        agent on this node behind ``unix_socket`` when one is set beside them; or of the
+        same-node agent alone (``unix_socket`` only)."""
+        path = self.settings.unix_socket
+        if path is not None and self.settings.pool is None and self.settings.replicas is None:
+            return self._same_node(path, timeout)
         replicas = self._discovery.replicas()
         with self._client_lock:
             if replicas != self._client_replicas or self._client is None:
                 if self._client is not None:
                     self._client.close()
                 self._client = None
+                self._routed = None
                 self._client_replicas = list(replicas)
                 if replicas:
                     self._client = TransferClient(
@@ -227,7 +251,42 @@ class KvpoolConnector(KVConnectorBase_V1):
                         retries=0,
                         checksums=self.settings.checksums,
                     )
-            return self._client
+            tcp = self._client
+        if path is None or not isinstance(tcp, TransferClient):
+            return tcp
+        return self._with_local(tcp, path, timeout)
+
+    def _with_local(self, tcp: TransferClient, path: str, timeout: float) -> KVClient:
+        """``tcp``, with the chains of the pool's agent on this node through its socket
+        (``RoutedClient``); ``tcp`` alone while that agent cannot be reached (tried again
+        after ``backoff_s``) or is not in the ring."""
+        with self._client_lock:
+            local = self._local
+            if local is not None and local.broken:
+                local.close()
+                local = self._local = self._routed = None
+            if local is None:
+                if time.monotonic() < self._local_retry_at:
+                    return tcp
+                try:
+                    local = ShmClient(
+                        path,
+                        token=self._token,
+                        timeout=timeout,
+                        connect_timeout=min(timeout, 1.0),
+                        map_arena=not self._scheduler,
+                    )
+                except SHM_OPEN_ERRORS as err:
+                    self._local_retry_at = time.monotonic() + self.settings.backoff_s
+                    log.info("kvpool: no pool agent on this node at %s (%s)", path, err)
+                    return tcp
+                self._local = local
+            member = ring_member(tcp.replicas, local.pod)
+            if member is None:
+                return tcp  # the agent behind the socket is not one of this pool's
+            if self._routed is None or self._routed.tcp is not tcp or self._routed.shm is not local:
+                self._routed = RoutedClient(tcp, local, member)
+            return self._routed
 
     def _same_node(self, path: str, timeout: float) -> KVClient | None:
         """The client of the agent behind ``path``, opened again when its connection broke
@@ -247,15 +306,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                         connect_timeout=min(timeout, 1.0),
                         map_arena=not self._scheduler,
                     )
-                except (
-                    TransferError,
-                    TransferConnectionError,
-                    OSError,
-                    NotOnCuda,
-                    RuntimeError,
-                ) as err:
-                    # NotOnCuda: a CUDA agent's GPU this process does not see (or no CUDA);
-                    # RuntimeError: CUDA refused to open the agent's IPC handle.
+                except SHM_OPEN_ERRORS as err:
                     self._failed(f"connecting to the same-node agent {path}", err)
                     return None
             return self._client
@@ -720,6 +771,9 @@ class KvpoolConnector(KVConnectorBase_V1):
             if self._saver is not None:
                 self._saver[0].close()
                 self._saver = None
+            if self._local is not None:
+                self._local.close()
+                self._local = self._routed = None
             if self._client is not None:
                 self._client.close()
                 self._client = None
