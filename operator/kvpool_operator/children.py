@@ -43,6 +43,11 @@ TERMINATION_MARGIN_S = 5
 
 SERVE_HOST = "0.0.0.0"
 """What agents in pods bind: the pod network, behind credentials and the NetworkPolicy."""
+NODE_SOCKET_ROOT = "/var/run/kvpool"
+"""Where on a node the pools' socket directories are (``spec.pod.nodeSocket``)."""
+NODE_SOCKET_MOUNT = "/var/run/kvpool-node"
+NODE_SOCKET_PATH = f"{NODE_SOCKET_MOUNT}/transfer.sock"
+NODE_SOCKET_MODE = 0o660
 AUTH_DIR = "/etc/kvpool-auth"
 TENANTS_KEY = "tenants.yaml"
 PEER_TOKEN_KEY = "peer-token"
@@ -169,7 +174,16 @@ def pod_agent_config(pool: KVCachePool) -> AgentConfig:
         "peer_token_file": PEER_TOKEN_PATH,
         "allow_unauthenticated": False,
     }
+    if pool.spec.pod.node_socket:
+        # Group-writable: engine pods on the node connect as members of the agent's group.
+        doc["transfer"]["unix_socket"] = NODE_SOCKET_PATH
+        doc["transfer"]["unix_socket_mode"] = NODE_SOCKET_MODE
     return AgentConfig.model_validate(doc)
+
+
+def node_socket_dir(pool: KVCachePool) -> str:
+    """The pool's socket directory on each of its nodes (``spec.pod.nodeSocket``)."""
+    return f"{NODE_SOCKET_ROOT}/{pool.namespace}/{pool.name}"
 
 
 def pool_agent_config(pool: KVCachePool, replicas: int | None = None) -> AgentConfig:
@@ -320,6 +334,8 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         ],
     }
+    if pod.node_socket:
+        _add_node_socket(pool, spec, container)
     if pod.node_selector:
         spec["nodeSelector"] = dict(pod.node_selector)
     if pod.tolerations:
@@ -336,6 +352,51 @@ def desired_pod_template(pool: KVCachePool) -> Manifest:
             "annotations": annotations,
         },
         "spec": spec,
+    }
+
+
+def _add_node_socket(pool: KVCachePool, spec: dict[str, Any], container: dict[str, Any]) -> None:
+    """The node's socket directory of the pool (hostPath), handed to the agent's user by
+    an init container (a new hostPath directory belongs to root), and one agent of the
+    pool per node: each node's directory holds one agent's socket."""
+    spec["volumes"].append(
+        {
+            "name": "node-socket",
+            "hostPath": {"path": node_socket_dir(pool), "type": "DirectoryOrCreate"},
+        }
+    )
+    mount = {"name": "node-socket", "mountPath": NODE_SOCKET_MOUNT}
+    container["volumeMounts"].append(mount)
+    # chmod while root still owns it (no CAP_FOWNER needed), then hand it over (CAP_CHOWN).
+    script = (
+        "import os, sys; d = sys.argv[1]; os.chmod(d, 0o750); "
+        f"os.chown(d, {AGENT_UID}, {AGENT_UID})"
+    )
+    spec["initContainers"] = [
+        {
+            "name": "node-socket-dir",
+            "image": pool.spec.pod.image,
+            "imagePullPolicy": pool.spec.pod.image_pull_policy,
+            "command": ["python3", "-c", script, NODE_SOCKET_MOUNT],
+            "securityContext": {
+                "runAsUser": 0,
+                "runAsNonRoot": False,
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+            },
+            "volumeMounts": [mount],
+        }
+    ]
+    spec["affinity"] = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": selector_labels(pool)},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
     }
 
 

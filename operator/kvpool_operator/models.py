@@ -301,6 +301,16 @@ class PodSpec(_CrModel):
     priority_class_name: str | None = Field(default=None, description="Priority class of the pods.")
     labels: dict[str, str] | None = Field(default=None, description="Extra labels on the pods.")
     annotations: dict[str, str] | None = Field(default=None, description="Extra pod annotations.")
+    node_socket: bool = Field(
+        default=False,
+        description="Also serve the transfer protocol on a Unix socket in a directory of the "
+        "node (hostPath /var/run/kvpool/<namespace>/<pool>, socket transfer.sock, mode 0660, "
+        "group 65532), so engines on the same node reach their pool's agent through its arena "
+        "(the vLLM connector's unix_socket beside pool). At most one agent of the pool per "
+        "node (required pod anti-affinity). Needs the operator's --allow-node-sockets (a "
+        "hostPath volume, and an init container that runs as root to hand the directory to "
+        "the agent's user). Restart-only.",
+    )
 
 
 class MonitoringSpec(_CrModel):

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvpool_operator.children import OperatorPeer, own_peer_url, peer_urls
+from kvpool_operator.children import OperatorPeer, node_socket_dir, own_peer_url, peer_urls
 from kvpool_operator.models import KVCachePool
 from kvpool_operator.status import Problem
 
@@ -28,6 +28,8 @@ ENV_IMAGE_PREFIXES = "KVPOOL_ALLOWED_IMAGE_PREFIXES"
 """JSON list of allowed image prefixes; unset or empty: any image."""
 ENV_FOREIGN_PEERS = "KVPOOL_ALLOW_FOREIGN_HANDOFF_PEERS"
 """``1``: pools may list handoff peers outside the pool."""
+ENV_NODE_SOCKETS = "KVPOOL_ALLOW_NODE_SOCKETS"
+"""``1``: pools may set spec.pod.nodeSocket (a hostPath volume, a root init container)."""
 ENV_OPERATOR_NAMESPACE = "KVPOOL_OPERATOR_NAMESPACE"
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
 """The operator's namespace when KVPOOL_OPERATOR_NAMESPACE is unset (the chart sets it)."""
@@ -36,6 +38,7 @@ ENV_OPERATOR_POD_LABELS = "KVPOOL_OPERATOR_POD_LABELS"
 
 IMAGE_NOT_ALLOWED = "ImageNotAllowed"
 HANDOFF_PEER_NOT_ALLOWED = "HandoffPeerNotAllowed"
+NODE_SOCKET_NOT_ALLOWED = "NodeSocketNotAllowed"
 
 
 def parse_labels(text: str) -> dict[str, str]:
@@ -63,6 +66,8 @@ class OperatorPolicy:
     """``spec.pod.image`` must start with one of these; empty: any image."""
     allow_foreign_handoff_peers: bool = False
     """False: ``spec.agent.lifecycle.handoffPeers`` may name only the pool's own pods."""
+    allow_node_sockets: bool = False
+    """False: ``spec.pod.nodeSocket`` is refused (it mounts a directory of the node)."""
     operator_namespace: str | None = None
     operator_pod_labels: Mapping[str, str] = field(default_factory=dict)
 
@@ -85,6 +90,7 @@ class OperatorPolicy:
         return cls(
             allowed_image_prefixes=tuple(p for p in prefixes if p),
             allow_foreign_handoff_peers=env.get(ENV_FOREIGN_PEERS, "") in ("1", "true"),
+            allow_node_sockets=env.get(ENV_NODE_SOCKETS, "") in ("1", "true"),
             operator_namespace=namespace,
             operator_pod_labels=parse_labels(env.get(ENV_OPERATOR_POD_LABELS, "")),
         )
@@ -94,6 +100,7 @@ class OperatorPolicy:
         env = {
             ENV_IMAGE_PREFIXES: json.dumps(list(self.allowed_image_prefixes)),
             ENV_FOREIGN_PEERS: "1" if self.allow_foreign_handoff_peers else "0",
+            ENV_NODE_SOCKETS: "1" if self.allow_node_sockets else "0",
         }
         if self.operator_namespace:
             env[ENV_OPERATOR_NAMESPACE] = self.operator_namespace
@@ -110,6 +117,14 @@ class OperatorPolicy:
                 IMAGE_NOT_ALLOWED,
                 f"spec.pod.image {image!r} is not allowed: the operator runs only images "
                 f"starting with {', '.join(repr(p) for p in prefixes)}",
+            )
+        if pool.spec.pod.node_socket and not self.allow_node_sockets:
+            return Problem(
+                NODE_SOCKET_NOT_ALLOWED,
+                "spec.pod.nodeSocket is not allowed: it mounts a directory of the node "
+                f"({node_socket_dir(pool)}) and runs an init container as root to hand it to "
+                "the agent; the operator must be started with --allow-node-sockets (chart "
+                "value operator.allowNodeSockets)",
             )
         if not self.allow_foreign_handoff_peers:
             peers = pool.spec.agent.lifecycle.handoff_peers

@@ -14,6 +14,7 @@ import yaml
 
 from kvpool_agent.connectors.settings import ConnectorConfigError, ConnectorSettings, Discovery
 from kvpool_agent.connectors.vllm.layout import BlockLayout, LayoutError, gather, scatter
+from kvpool_operator import children
 from kvpool_operator.models import KVCachePool
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
@@ -152,3 +153,25 @@ def test_the_docs_examples_are_valid() -> None:
     assert labels["kvpool.io/client"] == pool.name
     secret = deployment["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
     assert secret == f"{pool.name}-tenant-{pool.spec.auth.tenants[0].name}"
+
+
+def test_the_node_socket_example_matches_the_operators_pods() -> None:
+    """The second example (a pool with nodeSocket and an engine on its nodes): the engine
+    mounts the directory the operator gives the pool's agents, the connector's socket is
+    the one the agents serve, and the engine runs in the agents' group."""
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    pool_doc, deployment = yaml.safe_load_all(blocks[1])
+    pool = KVCachePool.model_validate(pool_doc)
+    assert pool.spec.pod.node_socket
+    template = deployment["spec"]["template"]["spec"]
+    (container,) = template["containers"]
+    flag = next(a for a in container["args"] if a.startswith("--kv-transfer-config="))
+    extra = ConnectorSettings.parse(json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"])
+    assert extra.pool == pool.name
+    volume = next(v for v in template["volumes"] if "hostPath" in v)
+    assert volume["hostPath"]["path"] == children.node_socket_dir(pool)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    # The same file of the node as the agents' socket (their mount of the same directory).
+    assert extra.unix_socket == f"{mount['mountPath']}/{Path(children.NODE_SOCKET_PATH).name}"
+    assert children.AGENT_UID in template["securityContext"]["supplementalGroups"]
+    assert children.pod_agent_config(pool).transfer.unix_socket_mode & 0o060 == 0o060

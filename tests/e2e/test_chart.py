@@ -248,6 +248,7 @@ def test_operator_command_follows_values(crds: DevCluster, namespace: str, tmp_p
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert not [a for a in argv if a.startswith("--allowed-image-prefix")]
     assert "--allow-foreign-handoff-peers" not in argv
+    assert "--allow-node-sockets" not in argv
 
     bounded = command(
         deployment(
@@ -256,6 +257,7 @@ def test_operator_command_follows_values(crds: DevCluster, namespace: str, tmp_p
                     "clusterWide": True,
                     "allowedImagePrefixes": ["ghcr.io/kvpool/", "registry.local/"],
                     "allowForeignHandoffPeers": True,
+                    "allowNodeSockets": True,
                 }
             }
         )
@@ -264,12 +266,14 @@ def test_operator_command_follows_values(crds: DevCluster, namespace: str, tmp_p
     assert "--allowed-image-prefix=ghcr.io/kvpool/" in bounded
     assert "--allowed-image-prefix=registry.local/" in bounded
     assert "--allow-foreign-handoff-peers" in bounded
+    assert "--allow-node-sockets" in bounded
     # The flags the chart writes are the ones `kvpool operator` takes.
     from kvpool_cli import build_parser
 
     parsed = build_parser().parse_args(bounded[1:])
     assert parsed.allowed_image_prefix == ["ghcr.io/kvpool/", "registry.local/"]
     assert parsed.all_namespaces and parsed.allow_foreign_handoff_peers
+    assert parsed.allow_node_sockets
 
     ha = deployment(
         {"operator": {"replicas": 2, "watchNamespaces": ["a", "b"], "peering": {"enabled": True}}}

@@ -568,6 +568,7 @@ def test_rendered_children_pass_server_dry_run(
         "clientNamespaceSelector": {"kvpool.io/clients": "yes"},
         "eventConsumerSelector": {"app": "router"},
     }
+    body["spec"]["pod"]["nodeSocket"] = True  # hostPath, root init container, anti-affinity
     pool = KVCachePool.model_validate(body)
     creds = children.PoolCredentials(
         peer_token="p" * 43,

@@ -16,6 +16,7 @@ import kmock
 import kopf
 import pytest
 import pytest_asyncio
+import yaml
 from kube_mock import ApplyingEmulator
 
 from kvpool_agent.credentials import parse_tenants, token_digest
@@ -620,6 +621,42 @@ async def test_a_foreign_handoff_peer_is_refused_unless_allowed(
     memo[handlers.CONTEXT_KEY].policy = OperatorPolicy(allow_foreign_handoff_peers=True)
     await run(handlers.on_change, memo, await pool_after(kube, body))
     assert kube.object(STS, "ns1", "demo") is not None
+    assert degraded((await pool_after(kube, body))["status"])["status"] == "False"
+
+
+@pytest.mark.asyncio
+async def test_a_node_socket_is_refused_unless_allowed_then_mounted_one_agent_per_node(
+    kube: ApplyingEmulator, memo: kopf.Memo, pool_body: dict[str, Any]
+) -> None:
+    pool_body["spec"]["pod"]["nodeSocket"] = True
+    body = await store(kube, pool_body)
+    await run(handlers.on_change, memo, body)
+    assert kube.object(STS, "ns1", "demo") is None
+    cond = degraded((await pool_after(kube, body))["status"])
+    assert cond["reason"] == "NodeSocketNotAllowed"
+    assert "spec.pod.nodeSocket" in cond["message"] and "--allow-node-sockets" in cond["message"]
+
+    memo[handlers.CONTEXT_KEY].policy = OperatorPolicy(allow_node_sockets=True)
+    await run(handlers.on_change, memo, await pool_after(kube, body))
+    sts = kube.object(STS, "ns1", "demo")
+    assert sts is not None
+    spec = sts["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "node-socket"]
+    assert volume["hostPath"] == {"path": "/var/run/kvpool/ns1/demo", "type": "DirectoryOrCreate"}
+    (init,) = spec["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["runAsUser"] == 0
+    (agent,) = spec["containers"]
+    assert {"name": "node-socket", "mountPath": "/var/run/kvpool-node"} in agent["volumeMounts"]
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # the agent: none
+    (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    cm = kube.object(CMS, "ns1", "demo-agent-config")
+    assert cm is not None
+    config = yaml.safe_load(cm["data"]["agent.yaml"])
+    assert config["transfer"]["unix_socket"] == "/var/run/kvpool-node/transfer.sock"
+    assert config["transfer"]["unix_socket_mode"] == 0o660
     assert degraded((await pool_after(kube, body))["status"])["status"] == "False"
 
 

@@ -76,6 +76,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.operator.allowForeignHandoffPeers }}
 - --allow-foreign-handoff-peers
 {{- end }}
+{{- if .Values.operator.allowNodeSockets }}
+- --allow-node-sockets
+{{- end }}
 {{- if .Values.operator.verbose }}
 - --verbose
 {{- end }}

@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "since a handoff sends cache contents to the peer)",
     )
     parser.add_argument(
+        "--allow-node-sockets",
+        action="store_true",
+        help="let pools set spec.pod.nodeSocket: the agents' transfer socket in a directory "
+        "of their node (a hostPath volume, and an init container running as root that hands "
+        "it to the agent's user); default: refused",
+    )
+    parser.add_argument(
         "--operator-namespace",
         default=None,
         help="the operator's own namespace, admitted by the pools' NetworkPolicies "
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     policy = OperatorPolicy(
         allowed_image_prefixes=tuple(p for p in args.allowed_image_prefix if p),
         allow_foreign_handoff_peers=args.allow_foreign_handoff_peers,
+        allow_node_sockets=args.allow_node_sockets,
         operator_namespace=args.operator_namespace or os.environ.get("POD_NAMESPACE") or None,
         operator_pod_labels=labels,
     )
