@@ -555,6 +555,56 @@ def test_disallowed_image_and_foreign_peers_are_degraded_not_applied(
         assert degraded("fine") is None
 
 
+def test_node_sockets_are_refused_then_one_agent_per_node_once_allowed(
+    crd: DevCluster, namespace: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A pool with spec.pod.nodeSocket under an operator that does not allow it is Degraded
+    (NodeSocketNotAllowed) and gets no StatefulSet; once allowed, the real scheduler puts
+    its agents one per node: two of three replicas on the two nodes, the third Pending."""
+    pod = {"resources": {"limits": {"nvidia.com/gpu": 1}}, "nodeSocket": True}
+    doc = pool_manifest("sock", replicas=3, pod=pod)
+
+    def degraded() -> dict[str, Any] | None:
+        pool = get(crd, namespace, "kvp/sock") or {}
+        for cond in (pool.get("status") or {}).get("conditions") or []:
+            if cond["type"] == "Degraded" and cond["status"] == "True":
+                return dict(cond)
+        return None
+
+    with running_operator(crd, namespace, monkeypatch):
+        apply(crd, namespace, doc, tmp_path)
+        refused = wait_until("sock Degraded", degraded)
+        assert refused["reason"] == "NodeSocketNotAllowed"
+        assert "spec.pod.nodeSocket" in refused["message"]
+        assert absent(crd, namespace, "statefulset/sock")
+    with running_operator(crd, namespace, monkeypatch, OperatorPolicy(allow_node_sockets=True)):
+
+        def placed() -> list[dict[str, Any]] | None:
+            raw = crd.kubectl(
+                "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/instance=sock",
+                "-o", "json",
+            ).stdout  # fmt: skip
+            pods = json.loads(raw)["items"]
+            on_nodes = [p for p in pods if p["spec"].get("nodeName")]
+            unschedulable = [
+                p
+                for p in pods
+                for c in (p.get("status") or {}).get("conditions") or []
+                if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+            ]
+            return pods if len(on_nodes) == 2 and len(unschedulable) == 1 else None
+
+        pods = wait_until("two agents placed and one unschedulable", placed)
+        nodes = {p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")}
+        assert len(nodes) == 2  # one per node
+        spec = pods[0]["spec"]
+        (init,) = spec["initContainers"]
+        assert init["name"] == "node-socket-dir"
+        volume = next(v for v in spec["volumes"] if v["name"] == "node-socket")
+        assert volume["hostPath"]["path"] == f"/var/run/kvpool/{namespace}/sock"
+        assert wait_until("Degraded cleared", lambda: degraded() is None)
+
+
 def test_rendered_children_pass_server_dry_run(
     crd: DevCluster, namespace: str, tmp_path: Path
 ) -> None:
