@@ -177,8 +177,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         """Beside `pool`/`replicas`: the pool's agent on this node, through ``unix_socket``."""
         self._routed: RoutedClient | None = None
         self._local_retry_at = 0.0
-        self._saver: tuple[ShmClient, ShmClient] | None = None
-        """On the same node: the saves' own connection, and the client it shares a mapping of."""
+        self._saver: tuple[KVClient, ShmClient, KVClient] | None = None
+        """On the same node: the saves' client, its own connection (a sibling), and the
+        client whose mapping that shares."""
         self._scheduler = role == KVConnectorRole.SCHEDULER
         self._client_replicas: list[str] = []
         self._client_lock = threading.Lock()
@@ -312,26 +313,34 @@ class KvpoolConnector(KVConnectorBase_V1):
             return self._client
 
     def _save_client(self, timeout: float) -> KVClient | None:
-        """The saves' client. On the same node, a connection of their own beside the loads'
-        (``ShmClient.sibling``, sharing its mapping), so a save's PUT never waits behind a
-        load's reads nor the other way round; the shared client where that fails, and over
-        the transfer port (whose client pools connections)."""
+        """The saves' client. Through a same-node agent (alone, or the pool's agent on this
+        node), a connection of their own beside the loads' (``ShmClient.sibling``, sharing
+        its mapping), so a save's PUT never waits behind a load's reads nor the other way
+        round; the shared client where that fails, and over the transfer port (whose client
+        pools connections)."""
         main = self._transfer(timeout)
-        if not isinstance(main, ShmClient):
+        shm = main.shm if isinstance(main, RoutedClient) else main
+        if not isinstance(shm, ShmClient) or main is None:
             return main
         with self._client_lock:
             if self._saver is not None:
-                saver, parent = self._saver
-                if parent is main and not saver.broken:
-                    return saver
-                saver.close()
+                ours, sibling, parent = self._saver
+                if parent is main and not sibling.broken:
+                    return ours
+                sibling.close()
                 self._saver = None
             try:
-                self._saver = (main.sibling(), main)
+                sibling = shm.sibling()
             except (TransferError, TransferConnectionError, OSError) as err:
                 log.warning("kvpool: saves share the loads' connection (%s)", err)
                 return main
-            return self._saver[0]
+            saver: KVClient = (
+                RoutedClient(main.tcp, sibling, main.local)
+                if isinstance(main, RoutedClient)
+                else sibling
+            )
+            self._saver = (saver, sibling, main)
+            return saver
 
     def _silenced(self) -> bool:
         return time.monotonic() < self._silent_until
@@ -769,7 +778,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._sender = None
         with self._client_lock:
             if self._saver is not None:
-                self._saver[0].close()
+                self._saver[1].close()  # the sibling only: a routed saver shares the TCP pool
                 self._saver = None
             if self._local is not None:
                 self._local.close()
