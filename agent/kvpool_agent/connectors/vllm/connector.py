@@ -270,13 +270,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 if time.monotonic() < self._local_retry_at:
                     return tcp
                 try:
-                    local = ShmClient(
-                        path,
-                        token=self._token,
-                        timeout=timeout,
-                        connect_timeout=min(timeout, 1.0),
-                        map_arena=not self._scheduler,
-                    )
+                    local = self._open_shm(path, timeout)
                 except SHM_OPEN_ERRORS as err:
                     self._local_retry_at = time.monotonic() + self.settings.backoff_s
                     log.info("kvpool: no pool agent on this node at %s (%s)", path, err)
@@ -300,17 +294,22 @@ class KvpoolConnector(KVConnectorBase_V1):
                 if self._silenced():
                     return None
                 try:
-                    self._client = ShmClient(
-                        path,
-                        token=self._token,
-                        timeout=timeout,
-                        connect_timeout=min(timeout, 1.0),
-                        map_arena=not self._scheduler,
-                    )
+                    self._client = self._open_shm(path, timeout)
                 except SHM_OPEN_ERRORS as err:
                     self._failed(f"connecting to the same-node agent {path}", err)
                     return None
             return self._client
+
+    def _open_shm(self, path: str, timeout: float) -> ShmClient:
+        """A same-node agent's client; the scheduler asks only lookups and leases, so it
+        does not map the arena."""
+        return ShmClient(
+            path,
+            token=self._token,
+            timeout=timeout,
+            connect_timeout=min(timeout, 1.0),
+            map_arena=not self._scheduler,
+        )
 
     def _save_client(self, timeout: float) -> KVClient | None:
         """The saves' client. Through a same-node agent (alone, or the pool's agent on this
