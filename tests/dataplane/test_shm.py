@@ -334,7 +334,9 @@ def test_a_sibling_of_a_restarted_agent_is_refused(sock_dir: str) -> None:
             client.sibling()
         assert refused.value.status == 409
         with second.shm() as fresh:
-            fresh.sibling().close()  # the same agent: accepted
+            fresh.sibling().sibling().close()  # the same agent: accepted, twice over
+        with second.shm(map_arena=False) as keys_only, pytest.raises(ValueError, match="no arena"):
+            keys_only.sibling()
     finally:
         client.close()
         second.close()

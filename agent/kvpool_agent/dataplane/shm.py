@@ -235,6 +235,7 @@ class ShmClient:
         """A second connection to the same agent that shares this client's mapping (no
         second MAP): calls on the two run side by side (a connector's loads beside its
         saves), each connection's reads and reservations its own."""
+        self._mapped()  # (ValueError without a mapping: there is nothing to share)
         token, timeout, connect_timeout = self._settings
         twin = ShmClient(
             self.path,
@@ -260,7 +261,7 @@ class ShmClient:
             twin.close()
             raise TransferError(409, "sibling: the agent behind the socket is not the one mapped")
         twin.arena, twin.views, twin._mapping = self.arena, self.views, self._mapping
-        twin._placements = self._placements
+        twin._placements, twin._arena_id = self._placements, self._arena_id
         return twin
 
     @property
