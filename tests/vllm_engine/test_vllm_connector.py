@@ -380,18 +380,22 @@ def test_a_pools_agent_on_this_node_is_reached_through_its_socket(
         by_name = f"localhost:{port}"
         store = phase(engine("A-node", by_name, [{"name": "store", "prompts": P}]), "store")
         assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
+        assert store["worker_stats"]["node_saved_blocks"] == 4 + 3 * 3  # all by the socket
         assert store["worker_stats"]["save_errors"] == 0
         hit = phase(engine("B-node", by_name, [{"name": "hit", "prompts": Q}]), "hit")
         assert [o["num_cached_tokens"] for o in hit["outputs"]] == [Q_HIT_TOKENS] * 3
         assert hit["worker_stats"]["loaded_blocks"] == hit["scheduler_stats"]["hit_blocks"] > 0
         assert same_outputs(hit["outputs"], want_q)
         assert hit["pool_transfer_bytes"] == 0  # stored and read through the arena
+        assert hit["scheduler_stats"]["node_leases"] == hit["scheduler_stats"]["leases"] > 0
         by_address = phase(engine("C-node", own.transfer, [{"name": "hit", "prompts": Q}]), "hit")
         # B saved Q's own blocks as well: C hits every full block of Q but the last token's.
         whole = [(len(q) - 1) // BLOCK * BLOCK for q in Q]
         assert [o["num_cached_tokens"] for o in by_address["outputs"]] == whole
         assert same_outputs(by_address["outputs"], want_q)
         assert by_address["pool_transfer_bytes"] > 0  # the same blocks, over the transfer port
+        assert by_address["scheduler_stats"]["node_leases"] == 0
+        assert by_address["scheduler_stats"]["leases"] > 0
     finally:
         own.agent.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)

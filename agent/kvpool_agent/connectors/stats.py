@@ -46,6 +46,11 @@ class ConnectorStats:
     save_errors: int = 0
     saves_dropped: int = 0
     """Saves not sent because the sender queue was full."""
+    node_leases: int = 0
+    """Leases taken through a same-node agent's socket (alone, or the pool's agent on this
+    node): their blocks move through its arena, not over the transfer port."""
+    node_saved_blocks: int = 0
+    """Of ``saved_blocks``, those stored through a same-node agent's socket."""
     lookup_s: float = 0.0
     """Seconds the scheduler spent in lookups and leases (it waits for them)."""
     load_s: float = 0.0

@@ -93,6 +93,15 @@ SHM_OPEN_ERRORS = (
 )
 """What opening a same-node agent's socket and arena may fail with (the pool goes on)."""
 
+
+def _through_socket(client: KVClient, replica: str) -> bool:
+    """Whether ``replica`` (of a lease or a PUT's result) was reached through a same-node
+    agent's socket rather than the transfer port."""
+    if isinstance(client, RoutedClient):
+        return replica == client.shm.path
+    return isinstance(client, ShmClient)
+
+
 FLUSH_TIMEOUT_S = 30.0
 """How long ``shutdown`` waits for queued saves."""
 
@@ -412,7 +421,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             if client is not None:
                 try:
                     lease = client.lease(self._ns(rank), chain, ttl_s=self.settings.lease_ttl_s)
-                    self.stats.add(leases=1)
+                    near = lease is not None and _through_socket(client, lease.replica)
+                    self.stats.add(leases=1, node_leases=int(near))
                 except (TransferError, TransferConnectionError, OSError) as err:
                     self.stats.add(lease_errors=1)
                     self._failed("lease", err)
@@ -748,7 +758,8 @@ class KvpoolConnector(KVConnectorBase_V1):
                 if client is None or not self._check_geometry(strict=False):
                     raise TransferConnectionError("no usable replica", request_sent=False)
                 result = client.put(ns, keys, [kv], first=first, priority=self.settings.priority)
-                self.stats.add(save_requests=1, saved_blocks=result.stored)
+                near = result.stored if _through_socket(client, result.replica) else 0
+                self.stats.add(save_requests=1, saved_blocks=result.stored, node_saved_blocks=near)
             except (TransferError, TransferConnectionError, OSError) as err:
                 self.stats.add(save_errors=1)
                 log.warning("kvpool: save of %d blocks failed (%s)", len(keys) - first, err)
