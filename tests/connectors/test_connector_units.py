@@ -12,7 +12,12 @@ import pytest
 import torch
 import yaml
 
-from kvpool_agent.connectors.settings import ConnectorConfigError, ConnectorSettings, Discovery
+from kvpool_agent.connectors.settings import (
+    ConnectorConfigError,
+    ConnectorSettings,
+    Discovery,
+    RequestParams,
+)
 from kvpool_agent.connectors.vllm.layout import BlockLayout, LayoutError, gather, scatter
 from kvpool_operator import children
 from kvpool_operator.models import KVCachePool
@@ -44,6 +49,28 @@ def test_settings_refuse_bad_fields_by_name() -> None:
         ConnectorSettings.parse({"pool": "p", "load_layer_chunks": 0})
     with pytest.raises(ConnectorConfigError, match="layerwise: Input should be a valid boolean"):
         ConnectorSettings.parse({"pool": "p", "layerwise": "sometimes"})
+
+
+def test_a_requests_params_narrow_the_pool_and_name_what_is_wrong() -> None:
+    # Without a kvpool entry (no params, another connector's only): the engine's settings.
+    for params in (None, {}, {"do_remote_prefill": True}):
+        assert RequestParams.of(params) == RequestParams(load=True, save=True)
+    assert RequestParams.of({"kvpool": {"save": False}}) == RequestParams(load=True, save=False)
+    assert RequestParams.of({"kvpool": {"load": False, "save": False}}) == RequestParams(
+        load=False, save=False
+    )
+    assert RequestParams.of({"kvpool": {}}) == RequestParams()
+    with pytest.raises(ValueError, match=r"kv_transfer_params\.kvpool\.sav: Extra inputs"):
+        RequestParams.of({"kvpool": {"sav": False}})
+    # Strict: "false" or 0 is not a boolean (an opt-out must say what it means).
+    with pytest.raises(ValueError, match=r"kv_transfer_params\.kvpool\.save: .*boolean"):
+        RequestParams.of({"kvpool": {"save": "false"}})
+    with pytest.raises(ValueError, match=r"kv_transfer_params\.kvpool\.load: .*boolean"):
+        RequestParams.of({"kvpool": {"load": 0}})
+    with pytest.raises(ValueError, match=r"kv_transfer_params\.kvpool: .*dictionary"):
+        RequestParams.of({"kvpool": ["save"]})
+    with pytest.raises(ValueError, match="kv_transfer_params: a JSON object"):
+        RequestParams.of(["kvpool"])
 
 
 def test_load_streams_default_to_a_quarter_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,6 +166,15 @@ def test_the_docs_examples_are_valid() -> None:
     assert config["kv_connector_module_path"] == "kvpool_agent.connectors.vllm"
     assert config["kv_load_failure_policy"] == "recompute"
     ConnectorSettings.parse(config["kv_connector_extra_config"])
+    # The per-request example parses, and each of its keys has a row.
+    requests = [
+        json.loads(block)
+        for block in re.findall(r"```json\n(.*?)```", text, re.S)
+        if "kv_transfer_params" in block
+    ]
+    assert requests and all(RequestParams.of(r["kv_transfer_params"]) for r in requests)
+    for name in RequestParams.model_fields:
+        assert f"\n| `{name}` |" in text, name
     manifests = list(yaml.safe_load_all(re.search(r"```yaml\n(.*?)```", text, re.S).group(1)))  # type: ignore[union-attr]
     pool = KVCachePool.model_validate(manifests[0])
     deployment = manifests[1]

@@ -183,10 +183,13 @@ def run_phase(
     from vllm import SamplingParams
 
     has_connector = spec.get("connector") is not None
+    kv_params = phase.get("kv_transfer_params")
     params = SamplingParams(
         temperature=0.0,
         max_tokens=phase.get("max_tokens", spec.get("max_tokens", 4)),
         logprobs=1,
+        # A request's own connector settings, as the OpenAI server's `kv_transfer_params`.
+        extra_args=None if kv_params is None else {"kv_transfer_params": kv_params},
     )
     scheduler, worker = _connectors(llm) if has_connector else (None, None)
     if phase.get("reset"):

@@ -522,3 +522,69 @@ def test_decode_blocks_are_saved_when_asked_and_a_next_turn_hits_them(
             assert same_outputs(phase(run, "r-next")["outputs"], want_next)
     finally:
         own.agent.stop()
+
+
+def test_a_request_turns_the_pool_off_for_itself(
+    vllm_python: Path,
+    model_dir: Path,
+    baseline: dict[str, Any],
+    tmp_path: Path,
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    """``kv_transfer_params: {"kvpool": {...}}`` narrows what the pool does for one request:
+    no save (the prompt never reaches the pool), no load (the pool's blocks are not used), a
+    mistyped entry neither (fails closed); outputs are the baseline's every time."""
+    (tmp_path / "pool").mkdir()
+    own = start_pool(tmp_path / "pool", start_agent)
+    try:
+        run = run_engine(
+            vllm_python,
+            tmp_path,
+            "per-request",
+            {
+                "model": str(model_dir),
+                "connector": connector(own),
+                "phases": [
+                    {"name": name, "prompts": P, "reset": True, "kv_transfer_params": params}
+                    for name, params in (
+                        ("private", {"kvpool": {"save": False}}),
+                        ("typo", {"kvpool": {"sav": False}}),
+                        ("stored", None),
+                        ("no-load", {"kvpool": {"load": False}, "other_connector": 1}),
+                        ("load", {"other_connector": 1}),
+                    )
+                ],
+            },
+            token=TOKENS["a"],
+        )
+        sched = {p["name"]: p["scheduler_stats"] for p in run["phases"]}
+        worker = {p["name"]: p["worker_stats"] for p in run["phases"]}
+        cached = {p["name"]: [o["num_cached_tokens"] for o in p["outputs"]] for p in run["phases"]}
+        unique_blocks = 4 + 3 * (232 // BLOCK - 4)  # the shared prefix, then each its own
+        # No save: looked up (it may load), nothing stored.
+        assert sched["private"]["requests_without_save"] == len(P)
+        assert sched["private"]["lookups"] == len(P)
+        assert worker["private"]["saved_blocks"] == 0
+        # A malformed entry: neither looked up nor stored.
+        assert sched["typo"]["request_params_invalid"] == len(P)
+        assert sched["typo"]["lookups"] == sched["private"]["lookups"]
+        assert worker["typo"]["saved_blocks"] == 0
+        # What vLLM's own cache gives within a batch (the prompts' shared prefix, once the
+        # first computed it), with nothing from the pool: the pattern of a pool not used.
+        local = cached["private"]
+        assert local[0] == 0 and cached["typo"] == local
+        # Without an entry the blocks go to the pool ...
+        assert worker["stored"]["saved_blocks"] == unique_blocks
+        # ... and a request that does not load does not use them (nor re-store them) ...
+        assert sched["no-load"]["requests_without_load"] == len(P)
+        assert cached["no-load"] == local
+        assert sched["no-load"]["hit_blocks"] == sched["stored"]["hit_blocks"]
+        assert worker["no-load"]["saved_blocks"] == unique_blocks
+        # ... while the next one does (another connector's entry beside none of kvpool's).
+        full = (232 - 1) // BLOCK * BLOCK
+        assert cached["load"] == [full, full, full]
+        assert worker["load"]["loaded_blocks"] > 0
+        for p in run["phases"]:
+            assert same_outputs(p["outputs"], phase(baseline, "p")["outputs"]), p["name"]
+    finally:
+        own.agent.stop()

@@ -190,6 +190,45 @@ class ConnectorSettings(BaseModel):
         return os.environ.get(TOKEN_ENV) or None
 
 
+REQUEST_PARAMS_KEY = "kvpool"
+"""The key of a request's ``kv_transfer_params`` that holds its kvpool settings (other
+connectors of a multi-connector read theirs beside it)."""
+
+
+class RequestParams(BaseModel):
+    """One request's ``kv_transfer_params["kvpool"]``: what the pool may do for it. A request
+    can only turn the pool off for itself (a prompt that must not be stored, a one-off),
+    never on where the engine's settings turned it off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    load: bool = Field(default=True, description="Look the prompt up and load what the pool holds.")
+    save: bool = Field(default=True, description="Store the request's computed blocks.")
+
+    @classmethod
+    def of(cls, kv_transfer_params: Any) -> RequestParams:
+        """The request's settings (all defaults without any), or ValueError naming the
+        field and what it accepts."""
+        if not isinstance(kv_transfer_params, dict):
+            if kv_transfer_params is None:
+                return cls()
+            raise ValueError("kv_transfer_params: a JSON object")
+        found = kv_transfer_params.get(REQUEST_PARAMS_KEY)
+        if found is None:
+            return cls()
+        try:
+            return cls.model_validate(found)
+        except ValidationError as err:
+            problems = []
+            for e in err.errors():
+                where = ".".join(str(p) for p in e["loc"])
+                problems.append(
+                    f"kv_transfer_params.{REQUEST_PARAMS_KEY}{'.' + where if where else ''}: "
+                    f"{e['msg']}"
+                )
+            raise ValueError("; ".join(problems)) from None
+
+
 class Discovery:
     """The pool's replicas, re-resolved every ``refresh_s`` seconds: the first time inline,
     later on a background thread, so that a slow DNS never stalls the engine's scheduler."""

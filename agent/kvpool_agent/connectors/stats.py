@@ -46,6 +46,13 @@ class ConnectorStats:
     save_errors: int = 0
     saves_dropped: int = 0
     """Saves not sent because the sender queue was full."""
+    requests_without_load: int = 0
+    """Requests whose ``kv_transfer_params`` turned loading off for them (no lookup)."""
+    requests_without_save: int = 0
+    """Requests whose ``kv_transfer_params`` turned saving off for them."""
+    request_params_invalid: int = 0
+    """Requests whose ``kv_transfer_params["kvpool"]`` was malformed: they neither loaded nor
+    saved (a mistyped opt-out fails closed)."""
     node_leases: int = 0
     """Leases taken through a same-node agent's socket (alone, or the pool's agent on this
     node): their blocks move through its arena, not over the transfer port."""

@@ -29,6 +29,12 @@ Worker side (layer by layer; ``layerwise.py``)
   ``wait_for_save`` returns: vLLM may free or reuse its blocks at once (``request_finished``
   never delays a free), and the earliest write to a reused block is in a later step.
 
+A request can turn the pool off for itself with ``kv_transfer_params: {"kvpool": {"load":
+false, "save": false}}`` (either or both; a prompt that must not be stored, a one-off): with
+neither, the connector does not even look it up. It can never turn on what the engine's
+settings turned off, and a malformed ``kvpool`` entry turns both off for that request
+(counted in ``request_params_invalid``, logged).
+
 Keys are vLLM's own block hashes (``bytes(block_hash)``: they fold in the cache salt, LoRA
 and multimodal inputs), in the namespace (model, parallel rank, KV cache group). vLLM's
 ``NONE_HASH`` is random per process unless ``PYTHONHASHSEED`` is set: every instance sharing
@@ -51,7 +57,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpool_agent.connectors.settings import ConnectorConfigError, ConnectorSettings, Discovery
+from kvpool_agent.connectors.settings import (
+    ConnectorConfigError,
+    ConnectorSettings,
+    Discovery,
+    RequestParams,
+)
 from kvpool_agent.connectors.stats import ConnectorStats
 from kvpool_agent.connectors.vllm.layerwise import (
     LayerLoad,
@@ -145,6 +156,8 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
     """Chain blocks the pool holds or that were sent to it."""
+    save: bool = True
+    """Whether the request's blocks may go to the pool (its ``kv_transfer_params``)."""
 
 
 class KvpoolConnector(KVConnectorBase_V1):
@@ -366,22 +379,48 @@ class KvpoolConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         bs = self.block_size
         prompt = int(request.num_prompt_tokens)
+        load, save = self._allowed(request)
         # vLLM computes at least the prompt's last token itself.
         chain = [bytes(h) for h in request.block_hashes[: max(0, prompt - 1) // bs]]
-        wanted = chain and (self.settings.load or self.settings.save)
+        wanted = chain and (load or save)
         started = time.perf_counter()
         pool_blocks = self._lookup(chain) if wanted else 0
         self.stats.add(lookup_s=time.perf_counter() - started)
         self._tracked[request.request_id] = _Tracked(
-            request, pool_blocks, num_computed_tokens, saved=pool_blocks
+            request, pool_blocks, num_computed_tokens, saved=pool_blocks, save=save
         )
-        if not self.settings.load:
+        if not load:
             return 0, False
         extra = pool_blocks * bs - num_computed_tokens
         if extra <= 0:
             return 0, False
         self.stats.add(hit_blocks=extra // bs)
         return extra, False
+
+    def _allowed(self, request: Request) -> tuple[bool, bool]:
+        """Whether the pool may load and save for ``request``: the engine's settings,
+        narrowed by the request's ``kv_transfer_params["kvpool"]``. A malformed one fails
+        closed (neither), so that a mistyped opt-out never stores a prompt."""
+        first = request.request_id not in self._tracked  # vLLM may ask again next step
+        try:
+            params = RequestParams.of(getattr(request, "kv_transfer_params", None))
+        except ValueError as err:
+            if first:
+                self.stats.add(request_params_invalid=1)
+                log.warning(
+                    "kvpool: request %s: %s; the pool neither loads nor saves it",
+                    request.request_id,
+                    err,
+                )
+            return False, False
+        load = self.settings.load and params.load
+        save = self.settings.save and params.save
+        if first:
+            self.stats.add(
+                requests_without_load=int(self.settings.load and not params.load),
+                requests_without_save=int(self.settings.save and not params.save),
+            )
+        return load, save
 
     def _lookup(self, chain: list[bytes]) -> int:
         """Leading blocks of ``chain`` the pool holds for every rank (0 on any failure)."""
@@ -471,6 +510,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         with ``save_decode`` blocks of generated tokens too: only tokens the request already
         holds count (a draft token that may be rejected, or an output not yet appended, never
         does), so every saved block has its hash and its KV was computed by this step."""
+        if not tracked.save:
+            return
         request = tracked.request
         limit = int(request.num_tokens if self.settings.save_decode else request.num_prompt_tokens)
         full = min(tokens, limit) // self.block_size
@@ -774,10 +815,13 @@ class KvpoolConnector(KVConnectorBase_V1):
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Wait until every queued save was sent (or failed); False on timeout."""
         deadline = time.monotonic() + timeout_s
-        while self._saves.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
+        done = self._saves.all_tasks_done  # notified by the sender's task_done
+        with done:
+            while self._saves.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                done.wait(left)
         return True
 
     def shutdown(self) -> None:
