@@ -11,7 +11,9 @@ against a real ``kvpool agent`` on loopback:
 
 * engine ``A`` (connector) serves one prompt ``X`` per (length, share) and stores its blocks
   (and engine ``As`` the same for ``Bs``, below);
-* engine ``B`` (connector), engine ``B0`` (no connector), engine ``Bl`` (connector with
+* engine ``B`` (connector), engine ``B0`` (no connector), engine ``B0b`` (no connector
+  either: the A/A control, whose "overhead" against ``B0`` is the noise floor of the run's
+  pairs), engine ``Bl`` (connector with
   ``save: false``: lookups only) and engine ``Bs`` (connector with ``layerwise: false``:
   loads complete before the forward pass and saves are copied out at the end of the step, as
   before the connector went layer by layer) run side by side and take the same requests in
@@ -25,11 +27,19 @@ against a real ``kvpool agent`` on loopback:
   ``Bn`` joins them: the connector over the agent's Unix socket (``unix_socket``: KV copied
   through the mapped arena, not sent over the transfer port), its blocks stored by ``An``.
 
+Every request without a hit has a twin: a new prompt of the same length that turns the pool
+off for itself (``kv_transfer_params: {"kvpool": {"load": false, "save": false}}``), run by the
+same engine next to it (order alternating). Their ratio ("vs pool off, same engine") is the
+connector's work on a miss (lookup, copy out, save) measured within one process; the ratio to
+``B0`` also carries whatever differs between two processes, which the A/A control ``B0b``
+shows the size of.
+
 What the engine waited for the connector comes from its own counters (``lookup_s``,
 ``load_s``, ``copy_out_s``): for a hit, the wait for the load (``Bs``: the whole read before
 the forward pass; ``B``: starting it and each layer's range not yet landed when its
 attention asked for it). For a request without a hit, the CPU time of the engine process
-(the request, its copies, the sender's PUT) and of the agent while it ran says what the
+over its cycle (from the request to its next one: the request, its copies, the sender's
+PUT, its compute threads' spinning afterwards) and of the agent while it ran says what the
 connector took from the machine's cores, which its wall time on a shared machine hides.
 
 CPU figures of a 2-layer model: compare the ratios, not the seconds. Results: JSON and a plot
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -208,7 +219,18 @@ def main() -> None:
             hit_phases.append({"name": f"hit-{n}-{s}-{rep}", "prompts": [prompt]})
     for n in args.lengths:
         for rep in range(args.miss_reps):
-            miss_phases.append({"name": f"miss-{n}-{rep}", "prompts": [tokens(rng, n)]})
+            # Beside each, a new prompt of the same length with the pool turned off for it
+            # (``kv_transfer_params``): the same engine's time without the connector's work,
+            # in alternating order.
+            pair = [
+                {"name": f"miss-{n}-{rep}", "prompts": [tokens(rng, n)]},
+                {
+                    "name": f"off-{n}-{rep}",
+                    "prompts": [tokens(rng, n)],
+                    "kv_transfer_params": {"kvpool": {"load": False, "save": False}},
+                },
+            ]
+            miss_phases.extend(pair if rep % 2 == 0 else pair[::-1])
     warmup = {"name": "warmup", "prompts": [tokens(rng, 512)]}
     measured = [dict(p, reset=True, max_tokens=1) for p in hit_phases + miss_phases]
     max_len = max(args.lengths) + 64
@@ -254,6 +276,9 @@ def main() -> None:
             bar.advance(task)
             engines = [
                 Engine(python, tmp, "B0", {**base, "connector": None}),
+                # The A/A control: a second engine without the connector, whose "overhead"
+                # against B0 is the noise floor of this run's pairs.
+                Engine(python, tmp, "B0b", {**base, "connector": None}),
                 *(
                     Engine(python, tmp, name, {**base, "connector": c})
                     for name, c in connectors.items()
@@ -270,14 +295,19 @@ def main() -> None:
                     turn = i % len(engines)
                     for engine in engines[turn:] + engines[:turn]:
                         before = cpu_s(agent.pid)
+                        started_cpu = cpu_s(engine.proc.pid)
                         record = engine.phase(phase)
                         record["agent_cpu_s"] = cpu_s(agent.pid) - before
+                        record["started_cpu_s"] = started_cpu
                         results[engine.name].append(record)
                     bar.advance(steps)
+                for engine in engines:
+                    _cycle_cpu(results[engine.name], cpu_s(engine.proc.pid))
             finally:
                 for engine in engines:
                     engine.stop()
             with_pool, without = {"phases": results["B"]}, {"phases": results["B0"]}
+            control = {"phases": results["B0b"]}
             lookups = {"phases": results["Bl"]}
             not_layerwise = {"phases": results["Bs"]} if "Bs" in results else None
             same_node_run = {"phases": results["Bn"]} if "Bn" in results else None
@@ -295,6 +325,11 @@ def main() -> None:
         paired = _paired_ratios(with_pool, not_layerwise, cases)
         for hit, ratio in zip(rows["hits"], paired, strict=True):
             hit["ttft_ratio_vs_not_layerwise"] = ratio
+    rows["control"] = {
+        "misses": summarize(control, without, cases, args.lengths, args.reps, args.miss_reps)[
+            "misses"
+        ]
+    }
     if same_node_run is not None:
         near = summarize(same_node_run, without, cases, args.lengths, args.reps, args.miss_reps)
         rows["same_node"] = {"hits": near["hits"], "misses": near["misses"]}
@@ -360,17 +395,29 @@ def summarize(
             for name in WAITS
         }
         # CPU time, which other load on the machine does not inflate the way it does wall
-        # time: the engine's own (its threads: the request, the copies, the sender's PUT),
-        # and the agent's while the engine ran the request (its lookups and stores).
-        cpu = [x["cpu_s"] / y["cpu_s"] for x, y in zip(b, b0, strict=True)]
+        # time: the engine process's over its whole cycle (from this request to its next
+        # one: the request, the copies, the sender's PUT, and its compute threads' spinning
+        # after each, which a window around the request alone counts for one engine and not
+        # another), and the agent's while the engine ran the request (lookups and stores).
+        cpu = [x["cycle_cpu_s"] / y["cycle_cpu_s"] for x, y in zip(b, b0, strict=True)]
         total = [
-            (x["cpu_s"] + x["agent_cpu_s"]) / (y["cpu_s"] + y["agent_cpu_s"])
+            (x["cycle_cpu_s"] + x["agent_cpu_s"]) / (y["cycle_cpu_s"] + y["agent_cpu_s"])
             for x, y in zip(b, b0, strict=True)
         ]
+        # The same engine, the same length, with the pool off for the request: the pairs see
+        # one process (no other engine's placement or memory), so only the connector's work
+        # differs (its hooks run in both). For B0 it is an A/A pair within one process.
+        off = phases(with_pool, f"off-{n}-")
+        paired = sorted(x["elapsed_s"] / y["elapsed_s"] for x, y in zip(b, off, strict=True))
         misses.append(
             {
                 "tokens": n,
-                "engine_cpu_without_s": statistics.median(y["cpu_s"] for y in b0),
+                "in_process_overhead": statistics.median(paired) - 1,
+                "in_process_quartiles": [
+                    paired[len(paired) // 4] - 1,
+                    paired[3 * len(paired) // 4] - 1,
+                ],
+                "engine_cpu_without_s": statistics.median(y["cycle_cpu_s"] for y in b0),
                 "engine_cpu_overhead": statistics.median(cpu) - 1,
                 "agent_cpu_s": statistics.median(x["agent_cpu_s"] for x in b),
                 "cpu_overhead": statistics.median(total) - 1,
@@ -407,6 +454,14 @@ def _paired_ratios(
             statistics.median(x["elapsed_s"] / y["elapsed_s"] for x, y in zip(b, bs, strict=True))
         )
     return out
+
+
+def _cycle_cpu(records: list[dict[str, Any]], end_cpu_s: float) -> None:
+    """Each record's ``cycle_cpu_s``: the engine process's CPU seconds from the start of that
+    request to the start of its next one (the last: to ``end_cpu_s``)."""
+    starts = [r["started_cpu_s"] for r in records] + [end_cpu_s]
+    for record, (a, b) in zip(records, itertools.pairwise(starts), strict=True):
+        record["cycle_cpu_s"] = b - a
 
 
 def _previous(result: dict[str, Any], phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -465,6 +520,10 @@ def show(console: Console, rows: dict[str, Any]) -> None:
         "counters; CPU: the engine's CPU time, and with the agent's while it ran the request"
     )
     for title, found in (
+        (
+            "A/A control: a second engine without the connector (B0b)",
+            rows.get("control", {}).get("misses"),
+        ),
         ("save on (B)", rows["misses"]),
         ("save: false, lookups only (Bl)", rows.get("misses_lookup_only")),
         (
@@ -487,6 +546,7 @@ def show(console: Console, rows: dict[str, Any]) -> None:
             "waited",
             "CPU engine",
             "CPU + agent",
+            "vs pool off, same engine",
         )
         for col in miss_columns:
             miss.add_column(col, justify="right")
@@ -501,8 +561,16 @@ def show(console: Console, rows: dict[str, Any]) -> None:
                 " / ".join(f"{100 * shares.get(name, 0):.1f}" for name in WAITS) + " %",
                 f"{m['engine_cpu_overhead']:+.1%}" if "engine_cpu_overhead" in m else "",
                 f"{m['cpu_overhead']:+.1%}" if "cpu_overhead" in m else "",
+                _in_process(m),
             )
         console.print(miss)
+
+
+def _in_process(m: dict[str, Any]) -> str:
+    if "in_process_overhead" not in m:
+        return ""
+    lo, hi = m["in_process_quartiles"]
+    return f"{m['in_process_overhead']:+.1%} ({lo:+.1%} .. {hi:+.1%})"
 
 
 def plot(rows: dict[str, Any], path: Path) -> None:
@@ -531,6 +599,7 @@ def plot(rows: dict[str, Any], path: Path) -> None:
     xs = [m["tokens"] for m in rows["misses"]]
     at = range(len(xs))
     bars = [
+        ("A/A control", rows.get("control", {}).get("misses", [])),
         ("save on", rows["misses"]),
         ("save: false", rows.get("misses_lookup_only", [])),
         ("layerwise: false", rows.get("not_layerwise", {}).get("misses", [])),
@@ -542,13 +611,17 @@ def plot(rows: dict[str, Any], path: Path) -> None:
         offset = (k - (len(bars) - 1) / 2) * width
         right.bar(
             [i + offset for i in at][: len(found)],
-            [100 * m["overhead"] for m in found],
+            [100 * m.get("in_process_overhead", m["overhead"]) for m in found],
             width,
             label=label,
         )
     right.set_xticks(list(at), [str(x) for x in xs])
     right.axhline(2.0, color="red", lw=0.8, ls="--", label="goal: < 2%")
-    right.set(xlabel="prompt tokens", ylabel="overhead, %", title="No hit: connector cost")
+    right.set(
+        xlabel="prompt tokens",
+        ylabel="overhead, %",
+        title="No hit: connector cost (same engine, pool off as baseline)",
+    )
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
