@@ -10,8 +10,15 @@ A miniature simulation (Waldspurger et al., "Cache Modeling and Optimization usi
 Simulations", ATC '17) runs the policy itself on the spatially sampled keys (rate
 ``R = 2**-shift``) in a cache ``R`` times the size: a few caches, one per ratio of the
 capacity, each a metadata-only ``ShadowCache`` of the configured policy fed one sampled
-block per request (flat: sampled keys rarely share a path). Their hit ratios are the
-policy's curve at those ratios.
+block at a time. Their hit ratios are the policy's curve at those ratios.
+
+Fed flat, a miniature does not keep what the real tree keeps: the tree evicts only leaves,
+so a block whose continuations are cached is never a victim, while a flat miniature can lose
+a shared prefix. On the end-to-end trace slice that puts the curve's gain from a second
+replica 3 points low on average; a prototype fed each request's sampled keys as one chain
+(root first, which ``ShadowCache.step`` already takes) removes most of it
+(``bench/autoscale_sampling.py``, ``docs/operations.md``). The engines would first have to
+hand the curves a request's whole chain in one call.
 
 Cost. The engine's request path only appends the sampled keys to a list (a mask and a
 compare per block); ``drain`` replays them, a few tens of microseconds per sampled key and
