@@ -131,6 +131,7 @@ class ChainMiniatures:
         self.hits = [0] * len(self.ratios)
 
     def request(self, tokens: list[int]) -> None:
+        """One request: the sampled keys of its full blocks, stepped as one path."""
         path: list[int] = []
         digest = hashlib.blake2b(self.salt, digest_size=8).digest()
         for i in range(len(tokens) // TOKENS_PER_BLOCK):
