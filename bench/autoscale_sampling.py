@@ -44,12 +44,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpool_agent.cache.eviction.base import SharedPolicy
-from kvpool_agent.cache.eviction.registry import POLICIES
-from kvpool_agent.cache.eviction.shadow import ShadowCache
 from kvpool_agent.cache.gc_tuning import tune_gc
 from kvpool_agent.cache.manager import KVCacheManager
-from kvpool_agent.cache.miniature import PolicyMiniature
+from kvpool_agent.cache.miniature import RATIOS, PolicyMiniature, _Mini
 from kvpool_agent.cache.mrc import BOUNDS
 from kvpool_agent.client import DEFAULT_AFFINITY_BLOCKS, affinity_key, rendezvous_rank, stable_url
 from kvpool_agent.config import KvCacheConfig
@@ -118,14 +115,7 @@ class ChainMiniatures:
     def __init__(self, policy: str, capacity: int, min_blocks: int, salt: str) -> None:
         spec = PolicyMiniature(policy, capacity, min_blocks=min_blocks)
         self.ratios, self.mask, self.salt = spec.ratios, spec.mask, salt.encode()
-        self.minis: list[tuple[SharedPolicy | None, ShadowCache]] = []
-        for size in spec.sizes():
-            entry = POLICIES[policy]
-            if isinstance(entry, type) and issubclass(entry, SharedPolicy):
-                shared = entry(size)
-                self.minis.append((shared, ShadowCache(size, shared.new_level())))
-            else:
-                self.minis.append((None, ShadowCache(size, entry())))
+        self.minis = [_Mini(policy, size) for size in spec.sizes()]
         self.warm_after = spec.sizes()[0]
         self.seen = self.accesses = 0
         self.hits = [0] * len(self.ratios)
@@ -144,10 +134,10 @@ class ChainMiniatures:
         if not path:
             return
         got = []
-        for shared, cache in self.minis:
-            if shared is not None:
-                shared.observe(path)
-            got.append(cache.step(path))
+        for mini in self.minis:  # what ``_Mini.step`` does, for a whole path
+            if mini.shared is not None:
+                mini.shared.observe(path)
+            got.append(mini.cache.step(path))
         self.seen += len(path)
         if self.seen > self.warm_after:
             self.accesses += len(path)
@@ -168,16 +158,19 @@ class Pool:
         self.engines: dict[str, KVCacheManager] = {}
         for name in ring:
             engine = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=BLOCKS)
-            engine.miniature = PolicyMiniature(
-                config.eviction_policy, BLOCKS, min_blocks=min_blocks
+            # With the prototype the engine's own miniatures would be simulated for nothing.
+            engine.miniature = (
+                None
+                if chains
+                else PolicyMiniature(config.eviction_policy, BLOCKS, min_blocks=min_blocks)
             )
             self.engines[name] = engine
-        self.rate = next(iter(self.engines.values())).miniature.rate
         self.chains = (
             {n: ChainMiniatures(config.eviction_policy, BLOCKS, min_blocks, salt) for n in ring}
             if chains
             else None
         )
+        self.rate = PolicyMiniature(config.eviction_policy, BLOCKS, min_blocks=min_blocks).rate
 
     def chain(self, name: str) -> ChainMiniatures | None:
         return None if self.chains is None else self.chains[name]
@@ -196,19 +189,18 @@ class Pool:
                 self.chains[owner].request(tokens)
             handle = engine.open_sequence(tokens, cache_salt=self.salt, recompute_last_token=False)
             engine.release(handle.seq_id)
-            engine.miniature.drain()  # the agent drains between requests
+            if engine.miniature is not None:
+                engine.miniature.drain()  # the agent drains between requests
         return self._observe(live, marks)
 
     def _observe(self, live: list[str], marks: dict[str, _Mark]) -> Observation:
         queries = hits = accesses = 0
         lru = [0.0] * (len(BOUNDS) + 1)
         policy: list[float] | None = None
-        ratios: tuple[float, ...] = ()
         for name in live:
             engine, before = self.engines[name], marks[name]
-            ratios = engine.miniature.ratios
             now_hits, now_accesses = _policy_counts(engine, self.chain(name))
-            policy = policy or [0.0] * len(ratios)
+            policy = policy or [0.0] * len(RATIOS)
             accesses += now_accesses - before.accesses
             for j, (now, was) in enumerate(zip(now_hits, before.policy, strict=True)):
                 policy[j] += now - was
@@ -226,11 +218,11 @@ class Pool:
             blocks_total=1.0,
             agents=len(live),
             curve=Curve(BOUNDS, tuple(lru[:-1]), lru[-1]),
-            policy_curve=Curve(ratios, tuple(policy or ()), float(accesses)),
+            policy_curve=Curve(RATIOS, tuple(policy or ()), float(accesses)),
         )
 
 
-def _steady(trace: Trace, requests: list[list[int]], blocks: int, salt: str) -> tuple[int, int]:
+def _steady(requests: list[list[int]], blocks: int, salt: str) -> tuple[int, int]:
     """Token queries and hits of rounds 7-12 of ``requests`` through one fresh engine."""
     config = KvCacheConfig(
         tokens_per_block=TOKENS_PER_BLOCK, event_buffer_max_size=0, enable_partial_reuse=False
@@ -264,7 +256,7 @@ def exact_model(trace: Trace, ring_name: str) -> dict[str, float]:
             whole.append(tokens)
 
     def rate(parts: list[list[list[int]]], blocks: int) -> float:
-        counts = [_steady(trace, part, blocks, salt) for part in parts]
+        counts = [_steady(part, blocks, salt) for part in parts]
         return sum(h for _, h in counts) / sum(q for q, _ in counts)
 
     return {
