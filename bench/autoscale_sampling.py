@@ -32,7 +32,6 @@ Writes ``bench/results/autoscale_sampling.{json,png}``. Deterministic: no timing
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -46,7 +45,7 @@ from rich.table import Table
 
 from kvpool_agent.cache.gc_tuning import tune_gc
 from kvpool_agent.cache.manager import KVCacheManager
-from kvpool_agent.cache.miniature import RATIOS, PolicyMiniature, _Mini
+from kvpool_agent.cache.miniature import RATIOS, PolicyMiniature
 from kvpool_agent.cache.mrc import BOUNDS
 from kvpool_agent.client import DEFAULT_AFFINITY_BLOCKS, affinity_key, rendezvous_rank, stable_url
 from kvpool_agent.config import KvCacheConfig
@@ -83,8 +82,8 @@ class _Mark:
     accesses: int
 
 
-def _mark(engine: KVCacheManager, chains: ChainMiniatures | None) -> _Mark:
-    hits, accesses = _policy_counts(engine, chains)
+def _mark(engine: KVCacheManager) -> _Mark:
+    hits, accesses = _policy_counts(engine)
     return _Mark(
         engine.stats.queries_tokens,
         sum(engine.stats.hits_tokens),
@@ -94,63 +93,18 @@ def _mark(engine: KVCacheManager, chains: ChainMiniatures | None) -> _Mark:
     )
 
 
-def _policy_counts(
-    engine: KVCacheManager, chains: ChainMiniatures | None
-) -> tuple[tuple[int, ...], int]:
-    """Hits per ratio and accesses of the policy curve: the agent's, or the prototype's."""
-    if chains is not None:
-        return tuple(chains.hits), chains.accesses
+def _policy_counts(engine: KVCacheManager) -> tuple[tuple[int, ...], int]:
+    """Hits per ratio and accesses of the policy curve."""
     mini = engine.miniature
     assert mini is not None
     snap = mini.snapshot()
     return snap.hits, snap.accesses
 
 
-class ChainMiniatures:
-    """A prototype of miniatures fed each request's sampled blocks as one chain (root
-    first), so that, like the real tree, they hold prefixes and evict only leaves; the
-    agents' miniatures step every sampled key alone. Keys: a blake2b chain over the salt and
-    the blocks' tokens; the sample and sizes are the agents' (``PolicyMiniature``)."""
-
-    def __init__(self, policy: str, capacity: int, min_blocks: int, salt: str) -> None:
-        spec = PolicyMiniature(policy, capacity, min_blocks=min_blocks)
-        self.ratios, self.mask, self.salt = spec.ratios, spec.mask, salt.encode()
-        self.minis = [_Mini(policy, size) for size in spec.sizes()]
-        self.warm_after = spec.sizes()[0]
-        self.seen = self.accesses = 0
-        self.hits = [0] * len(self.ratios)
-
-    def request(self, tokens: list[int]) -> None:
-        """One request: the sampled keys of its full blocks, stepped as one path."""
-        path: list[int] = []
-        digest = hashlib.blake2b(self.salt, digest_size=8).digest()
-        for i in range(len(tokens) // TOKENS_PER_BLOCK):
-            block = tokens[i * TOKENS_PER_BLOCK : (i + 1) * TOKENS_PER_BLOCK]
-            data = digest + b"".join(t.to_bytes(4, "little") for t in block)
-            digest = hashlib.blake2b(data, digest_size=8).digest()
-            key = int.from_bytes(digest, "little") >> 1
-            if not key & self.mask:
-                path.append(key)
-        if not path:
-            return
-        got = []
-        for mini in self.minis:  # what ``_Mini.step`` does, for a whole path
-            if mini.shared is not None:
-                mini.shared.observe(path)
-            got.append(mini.cache.step(path))
-        self.seen += len(path)
-        if self.seen > self.warm_after:
-            self.accesses += len(path)
-            for j, hit in enumerate(got):
-                self.hits[j] += hit
-
-
 class Pool:
     """Replicas of one run: engines by ring name, fed as ``PoolClient`` routes."""
 
-    def __init__(
-        self, trace: Trace, ring: tuple[str, str], salt: str, min_blocks: int, chains: bool
-    ) -> None:
+    def __init__(self, trace: Trace, ring: tuple[str, str], salt: str, min_blocks: int) -> None:
         config = KvCacheConfig(
             tokens_per_block=TOKENS_PER_BLOCK, event_buffer_max_size=0, enable_partial_reuse=False
         )
@@ -158,26 +112,15 @@ class Pool:
         self.engines: dict[str, KVCacheManager] = {}
         for name in ring:
             engine = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=BLOCKS)
-            # With the prototype the engine's own miniatures would be simulated for nothing.
-            engine.miniature = (
-                None
-                if chains
-                else PolicyMiniature(config.eviction_policy, BLOCKS, min_blocks=min_blocks)
+            engine.miniature = PolicyMiniature(
+                config.eviction_policy, BLOCKS, min_blocks=min_blocks
             )
             self.engines[name] = engine
-        self.chains = (
-            {n: ChainMiniatures(config.eviction_policy, BLOCKS, min_blocks, salt) for n in ring}
-            if chains
-            else None
-        )
         self.rate = PolicyMiniature(config.eviction_policy, BLOCKS, min_blocks=min_blocks).rate
-
-    def chain(self, name: str) -> ChainMiniatures | None:
-        return None if self.chains is None else self.chains[name]
 
     def round(self, live: list[str]) -> Observation:
         """One pass of the slice through the ``live`` replicas; what the operator observes."""
-        marks = {n: _mark(self.engines[n], self.chain(n)) for n in live}
+        marks = {n: _mark(self.engines[n]) for n in live}
         for request in self.trace.requests:
             if not request.hash_ids:
                 continue
@@ -185,12 +128,11 @@ class Pool:
             key = affinity_key(tokens, TOKENS_PER_BLOCK, DEFAULT_AFFINITY_BLOCKS)
             owner = rendezvous_rank(key, live)[0]
             engine = self.engines[owner]
-            if self.chains is not None:
-                self.chains[owner].request(tokens)
             handle = engine.open_sequence(tokens, cache_salt=self.salt, recompute_last_token=False)
             engine.release(handle.seq_id)
-            if engine.miniature is not None:
-                engine.miniature.drain()  # the agent drains between requests
+            mini = engine.miniature
+            assert mini is not None
+            mini.drain()  # the agent drains between requests
         return self._observe(live, marks)
 
     def _observe(self, live: list[str], marks: dict[str, _Mark]) -> Observation:
@@ -199,7 +141,7 @@ class Pool:
         policy: list[float] | None = None
         for name in live:
             engine, before = self.engines[name], marks[name]
-            now_hits, now_accesses = _policy_counts(engine, self.chain(name))
+            now_hits, now_accesses = _policy_counts(engine)
             policy = policy or [0.0] * len(RATIOS)
             accesses += now_accesses - before.accesses
             for j, (now, was) in enumerate(zip(now_hits, before.policy, strict=True)):
@@ -273,10 +215,9 @@ def one_run(
     tenant: str,
     min_blocks: int,
     exact: dict[str, float],
-    chains: bool = False,
 ) -> dict[str, Any]:
     ring = RINGS[ring_name]
-    pool = Pool(trace, ring, tenant_salt(tenant, None) or "", min_blocks, chains)
+    pool = Pool(trace, ring, tenant_salt(tenant, None) or "", min_blocks)
     at1 = [pool.round([ring[0]]) for _ in range(ROUNDS[0])]
     at2 = [pool.round(list(ring)) for _ in range(ROUNDS[1])]
     back = [pool.round([ring[0]]) for _ in range(ROUNDS[2])]
@@ -288,7 +229,6 @@ def one_run(
     model_up = (at1[-1].hit_rate or 0.0) + exact["at_1_double"] - exact["at_1_whole"]
     return {
         "ring": ring_name,
-        "curve": "chains" if chains else "agents",
         "tenant": tenant,
         "min_blocks": min_blocks,
         "rate": pool.rate,
@@ -325,18 +265,12 @@ def report(rows: list[dict[str, Any]], min_blocks: list[int]) -> dict[str, Any]:
         table.add_column(col, justify="right")
     out: dict[str, Any] = {}
     # The exact curve does not depend on the key sample: one row per ring.
-    per_ring = [
-        r
-        for r in rows
-        if r["tenant"] == "default" and r["min_blocks"] == min_blocks[0] and r["curve"] == "agents"
-    ]
+    per_ring = [r for r in rows if r["tenant"] == "default" and r["min_blocks"] == min_blocks[0]]
     groups = [("exact, 1/N model", per_ring, "error_model_down", "error_model_up", "1")]
-    for curve, what in (("agents", "miniatures"), ("chains", "chain-fed prototype")):
-        for mb in sorted({r["min_blocks"] for r in rows if r["curve"] == curve}):
-            mine = [r for r in rows if r["min_blocks"] == mb and r["curve"] == curve]
-            rates = " ".join(f"1/{round(1 / r)}" for r in sorted({r["rate"] for r in mine}))
-            label = f"{what}, min_blocks {mb}"
-            groups.append((label, mine, "error_down", "error_up", rates))
+    for mb in sorted({r["min_blocks"] for r in rows}):
+        mine = [r for r in rows if r["min_blocks"] == mb]
+        rates = " ".join(f"1/{round(1 / r)}" for r in sorted({r["rate"] for r in mine}))
+        groups.append((f"miniatures, min_blocks {mb}", mine, "error_down", "error_up", rates))
     for label, mine, down_key, up_key, rates in groups:
         down, up = summary(mine, down_key), summary(mine, up_key)
         out[label] = {"down": down, "up": up, "rates": rates}
@@ -360,30 +294,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = sorted(
-        {(r["curve"], r["min_blocks"]) for r in rows}, key=lambda c: (c[0] == "chains", c[1])
-    )
+    columns = sorted({r["min_blocks"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     panels = (("down", "2 -> 1"), ("up", "1 -> 2"))
     for ax, (way, title) in zip(axes, panels, strict=True):
         for ring, marker, dx in zip(RINGS, "ox", (-0.1, 0.1), strict=False):
             mine = [r for r in rows if r["ring"] == ring]
             ax.scatter([dx], [100 * mine[0][f"error_model_{way}"]], marker=marker, color="k")
-            for i, (curve, mb) in enumerate(columns, start=1):
-                ys = [
-                    100 * r[f"error_{way}"]
-                    for r in mine
-                    if r["min_blocks"] == mb and r["curve"] == curve
-                ]
-                color = "tab:green" if curve == "chains" else "tab:blue"
-                if ring != next(iter(RINGS)):
-                    color = "tab:olive" if curve == "chains" else "tab:orange"
+            for i, mb in enumerate(columns, start=1):
+                ys = [100 * r[f"error_{way}"] for r in mine if r["min_blocks"] == mb]
+                color = "tab:blue" if ring == next(iter(RINGS)) else "tab:orange"
                 ax.scatter([i + dx] * len(ys), ys, marker=marker, color=color, alpha=0.7)
         ax.axhspan(-5, 5, color="green", alpha=0.08)
         ax.axhline(0, color="grey", lw=0.8)
-        ticks = ["exact"] + [("chains " if c == "chains" else "") + str(mb) for c, mb in columns]
-        ax.set_xticks(range(len(ticks)), ticks, rotation=30)
-        ax.set_xlabel("curve: exact; miniatures (min_blocks); chain-fed prototype")
+        ticks = ["exact"] + [str(mb) for mb in columns]
+        ax.set_xticks(range(len(ticks)), ticks)
+        ax.set_xlabel("curve: exact; the agents' miniatures at min_blocks")
         ax.set_title(f"prediction error, {title} (o: cluster ring, x: StatefulSet ring)")
     axes[0].set_ylabel("predicted - measured (points)")
     fig.tight_layout()
@@ -399,13 +325,6 @@ def main() -> int:
         default=[64, 128, 256, 2048],
         help="64 is the agents' (MIN_BLOCKS); 2048 samples every key at 5,120 blocks",
     )
-    parser.add_argument(
-        "--chains-min-blocks",
-        type=int,
-        nargs="*",
-        default=[64],
-        help="the prototype fed chains (ChainMiniatures), at these min_blocks",
-    )
     parser.add_argument("--samples", type=int, default=12, help="tenant salts: default, t1, ...")
     parser.add_argument("--out", type=Path, default=RESULTS / "autoscale_sampling.json")
     args = parser.parse_args()
@@ -414,15 +333,12 @@ def main() -> int:
     tenants = ["default"] + [f"t{i}" for i in range(1, args.samples)]
     # At a rate of 1 every key is simulated whatever the salt: one sample is enough.
     todo = [
-        (mb, ring, t, False)
+        (mb, ring, t)
         for mb in args.min_blocks
         for ring in RINGS
         for t in (
             tenants if PolicyMiniature("mixture", BLOCKS, min_blocks=mb).rate < 1 else ["default"]
         )
-    ]
-    todo += [
-        (mb, ring, t, True) for mb in args.chains_min_blocks for ring in RINGS for t in tenants
     ]
     rows: list[dict[str, Any]] = []
     with Progress(console=console) as progress:
@@ -431,8 +347,8 @@ def main() -> int:
         for ring in RINGS:
             exact[ring] = exact_model(trace, ring)
             progress.advance(task)
-        for mb, ring, tenant, chains in todo:
-            rows.append(one_run(trace, ring, tenant, mb, exact[ring], chains))
+        for mb, ring, tenant in todo:
+            rows.append(one_run(trace, ring, tenant, mb, exact[ring]))
             progress.advance(task)
     figures = report(rows, args.min_blocks)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The policy curve (``cache/miniature.py``): miniature simulations of the engine's own
-eviction policy against exact replays, the sampled estimate, the engine's hook, and the
-bounded queue."""
+eviction policy against exact replays and against the engine itself, the sampled estimate,
+the engine's hook (a chain per query), and the bounded queue."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_pending_keys_stay_bounded_and_drops_are_counted() -> None:
     assert mini.drain(limit=10) == 10 and len(mini.pending) == 5000 - snap.dropped - 10
 
 
-def test_engine_feeds_hits_and_stores() -> None:
+def test_the_engine_feeds_each_query_as_one_chain() -> None:
     mgr = make_manager(blocks=16, eviction_policy="mixture")
     assert mgr.miniature is not None
     assert mgr.miniature.policy == "mixture" and mgr.miniature.capacity == 16
@@ -107,14 +107,85 @@ def test_engine_feeds_hits_and_stores() -> None:
         handle = mgr.open_sequence(tokens)
         mgr.commit(handle.seq_id)
         mgr.release(handle.seq_id)
-    # The first round stores 4 blocks, the next two match them: 12 accesses queued.
+    # Each open queues the prompt's 4 full blocks (the partial fifth is no block yet).
     assert len(mgr.miniature.pending) == 12
     assert mgr.miniature.drain() == 12 and not mgr.miniature.pending
     snap = mgr.miniature.snapshot()
-    # Counted after the smallest miniature's 4 blocks of warm-up: the last 8 accesses, all
-    # hits at 16 blocks; at 4 blocks, LRU storing a 4-block chain in order holds it too.
+    # Counted after the smallest miniature's 4 blocks of warm-up: the last two queries,
+    # all hits, at 4 blocks too (the chain fits).
     assert snap.accesses == 8
     assert snap.hits == (8, 8)
+
+
+def test_a_chain_keeps_its_prefix_where_single_keys_lose_it() -> None:
+    chains = [[1, 2], [5], [7], [1, 2]]
+    hits = {}
+    for how in ("chain", "key"):
+        mini = PolicyMiniature("lru", 3, ratios=(1.0,), shift=0)
+        for chain in chains:
+            if how == "chain":
+                mini.access_chain(chain)
+            else:
+                for key in chain:
+                    mini.access(key)
+        assert mini.drain() == 6
+        hits[how] = mini.snapshot().hits[0]
+    # At 7 the cache is full: a tree evicts the least recent leaf, 2, and keeps 1 for the
+    # last query's prefix; keys fed alone evict the least recent key, 1.
+    assert hits == {"chain": 1, "key": 0}
+
+
+def test_drops_and_drains_take_whole_chains() -> None:
+    mini = PolicyMiniature("lru", 100, shift=0, max_pending=1000)
+    for start in range(0, 5000, 5):
+        mini.access_chain(_spread(k) for k in range(start, start + 5))
+    assert len(mini.pending) <= 1000 and len(mini.pending) % 5 == 0
+    assert mini.dropped + len(mini.pending) == 5000
+    assert mini.pending[-1] == _spread(4999)
+    assert mini.drain(limit=12) == 15 and len(mini.pending) % 5 == 0
+    assert mini.drain(limit=0) == 0
+    mini.queue_chain([])  # a query with no sampled block queues nothing
+    assert len(mini.pending) % 5 == 0
+
+
+def served(tokens_per_request: list[list[int]], policy: str) -> tuple[int, int]:
+    """(hits of an unsampled miniature at the capacity, the engine's own hits over the
+    same queries), counted after the miniature's warm-up."""
+    mgr = make_manager(blocks=24, eviction_policy=policy)
+    mgr.miniature = PolicyMiniature(policy, 24, ratios=(1.0,), shift=0)
+    seen = engine_hits = 0
+    for tokens in tokens_per_request:
+        before = mgr.stats.hits_blocks[0]
+        handle = mgr.open_sequence(tokens, recompute_last_token=False)
+        mgr.commit(handle.seq_id)
+        mgr.release(handle.seq_id)
+        seen += len(tokens) // TPB
+        if seen > 24:
+            engine_hits += mgr.stats.hits_blocks[0] - before
+    mgr.miniature.drain()
+    return mgr.miniature.snapshot().hits[0], engine_hits
+
+
+def shared_prefix_requests(n: int, seed: int = 1) -> list[list[int]]:
+    """Six system prompts of 2 blocks, Zipf-popular, each followed by 1 to 3 blocks from a
+    few variants: prefixes shared at two depths, in a cache too small for all of them."""
+    rng = random.Random(seed)
+    heads = [list(range(h * 1000, h * 1000 + 2 * TPB)) for h in range(6)]
+    out = []
+    for _ in range(n):
+        head = heads[int(6 * rng.random() ** 2)]
+        tail = [rng.randrange(3) + 10**6 + j for j in range(rng.choice((1, 2, 3)) * TPB)]
+        out.append(head + tail)
+    return out
+
+
+def test_an_lru_miniature_at_the_capacity_replays_the_engines_lru_hit_for_hit() -> None:
+    requests = shared_prefix_requests(300)
+    mini_hits, engine_hits = served(requests, "lru")
+    assert engine_hits > 300 and mini_hits == engine_hits
+    # The default policy's miniature too, to within a few hits of 1,200 blocks queried.
+    mini_hits, engine_hits = served(requests, "mixture")
+    assert abs(mini_hits - engine_hits) <= 12, (mini_hits, engine_hits)
 
 
 def test_a_live_policy_switch_restarts_the_curve_with_the_new_policy() -> None:

@@ -107,3 +107,46 @@ async def test_keys_routes_need_a_tenant_token(http: httpx.AsyncClient) -> None:
     assert (await http.delete("/v1/leases/1")).status_code == 401
     resp = await http.post("/v1/leases", json=body(keys, ttl_s=-1), headers=auth("a"))
     assert resp.status_code == 422
+
+
+async def test_a_lease_asks_the_policy_curve_with_the_whole_chain(service: AgentService) -> None:
+    """A lease is the data plane's query: the policy curve sees its whole chain once, and
+    neither the lease's open of the resident prefix nor the store after a miss."""
+    from kvpool_agent.cache.miniature import PolicyMiniature
+
+    engine = service.engine
+    engine.miniature = PolicyMiniature("lru", 3, ratios=(1.0,), shift=0)
+    keys = keys_for(1, 3)
+    lease, _ = await service.lease_keys(A, NS, keys, None)
+    assert lease is None
+    await store(service, keys[:2])
+    lease, tiers = await service.lease_keys(A, NS, keys, None)
+    assert lease is not None and tiers == ["primary", "primary"]
+    await service.release_lease(A, lease.public_id)
+    stats = engine.stats
+    assert stats.queries_blocks == 6 and sum(stats.hits_blocks) == 2
+    mini = engine.miniature
+    assert mini is not None and len(mini.pending) == 6  # two chains of 3
+    assert mini.drain() == 6
+    # The first chain warms the 3-block miniature; the second hits whole (the curve's
+    # cache keeps what a query asked for, as the connector stores what it missed).
+    snap = mini.snapshot()
+    assert (snap.accesses, snap.hits) == (3, (3,))
+
+
+async def test_stop_returns_at_once_right_after_a_lease(tmp_path: Path) -> None:
+    """A lease wakes the housekeeper as ``stop`` cancels it: the stop must still return (it
+    waited forever on Python 3.11 while the housekeeper slept in ``asyncio.wait_for``)."""
+    import asyncio
+
+    svc = AgentService(agent_config(auth=write_auth(tmp_path)))
+    await svc.start()
+    keys = keys_for(2, 3)
+    assert (await svc.lease_keys(A, NS, keys, None))[0] is None
+    await store(svc, keys[:2])
+    lease, _ = await svc.lease_keys(A, NS, keys, None)
+    assert lease is not None
+    await svc.release_lease(A, lease.public_id)
+    stopping = asyncio.ensure_future(svc.stop())
+    done, _ = await asyncio.wait((stopping,), timeout=5)  # (wait_for would cancel it)
+    assert stopping in done, "stop hangs"

@@ -215,17 +215,40 @@ def mini_view(mini: PolicyMiniature | NativePolicyMiniature) -> dict[str, Any]:
     }
 
 
-def feed_mini(
-    minis: Sequence[PolicyMiniature | NativePolicyMiniature], batch: list[int], how: str
-) -> None:
-    for mini in minis:
-        if how == "nodes":
-            mini.access_nodes([Node(k) for k in batch])
-        elif how == "sampled":
-            mini.queue_sampled([k for k in batch if not k & mini.mask])
+def chain_stream(rng: random.Random, n: int, universe: int) -> list[list[int]]:
+    """Requests as the tree sees them: each the keys of a path from the root of a trie
+    (a key names its whole prefix), heads from a hot set, a Zipf tail and one-offs, and
+    continuations from a small alphabet, so that paths share prefixes at every depth."""
+    out = []
+    for _ in range(n):
+        roll = rng.random()
+        if roll < 0.3:
+            path: tuple[int, ...] = (rng.randrange(16),)
+        elif roll < 0.8:
+            path = (int(universe * rng.random() ** 2),)
         else:
-            for key in batch:
-                mini.access(key)
+            path = (10**9 + rng.randrange(10**9),)
+        keys = [spread(hash(path))]
+        for _ in range(rng.choice((0, 0, 1, 2, 4, 7))):
+            path += (rng.randrange(3),)
+            keys.append(spread(hash(path)))
+        out.append(keys)
+    return out
+
+
+def feed_mini(
+    minis: Sequence[PolicyMiniature | NativePolicyMiniature], chains: list[list[int]], how: str
+) -> None:
+    """Each chain as a request: whole (``chain``), sampled by the caller (``sampled``), or,
+    for ``one``, only its head (a request of one block)."""
+    for mini in minis:
+        for keys in chains:
+            if how == "chain":
+                mini.access_chain(keys)
+            elif how == "sampled":
+                mini.queue_chain([k for k in keys if not k & mini.mask])
+            else:
+                mini.access(keys[0])
 
 
 MINI_CASES = [
@@ -247,16 +270,16 @@ def test_the_policy_miniature_matches_python_on_random_streams(
     py = PolicyMiniature(policy, capacity, **params)
     native = NativePolicyMiniature(policy, capacity, **params)
     assert mini_view(native) == mini_view(py)
-    keys = key_stream(rng, 6000, universe=max(4 * capacity, 64))
+    chains = chain_stream(rng, 2000, universe=max(4 * capacity, 64))
     at = 0
-    while at < len(keys):
+    while at < len(chains):
         if rng.random() < 0.3:
             limit = rng.choice((None, 0, 1, 5, 40, 300, -2))
             assert native.drain(limit) == py.drain(limit)
         else:
-            batch = keys[at : at + rng.choice((1, 4, 30, 120))]
+            batch = chains[at : at + rng.choice((1, 2, 10, 40))]
             at += len(batch)
-            feed_mini([py, native], batch, rng.choice(("nodes", "sampled", "one")))
+            feed_mini([py, native], batch, rng.choice(("chain", "chain", "sampled", "one")))
         assert mini_view(native) == mini_view(py), at
     assert native.drain() == py.drain()
     assert mini_view(native) == mini_view(py)
@@ -266,7 +289,7 @@ def test_max_pending_is_settable_and_pending_reads_like_a_list() -> None:
     py = PolicyMiniature("lru", 100, shift=0, max_pending=10)
     native = NativePolicyMiniature("lru", 100, shift=0, max_pending=10)
     py.max_pending = native.max_pending = 1 << 30
-    feed_mini([py, native], list(range(1, 40)), "one")
+    feed_mini([py, native], [[k] for k in range(1, 40)], "one")
     assert mini_view(native) == mini_view(py)
     pending = native.pending
     assert isinstance(pending, PendingKeys) and pending == py.pending and pending
@@ -306,7 +329,7 @@ def replay_miniatures(
     rng = random.Random(seed)
     py, native = make(PolicyMiniature), make(NativePolicyMiniature)
     for keys in chained_paths(trace):
-        feed_mini([py, native], keys, "nodes")
+        feed_mini([py, native], [keys], "chain")
         if rng.random() < 0.2:
             limit = rng.choice((None, 16, 64, 256))
             assert native.drain(limit) == py.drain(limit)

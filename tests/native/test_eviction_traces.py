@@ -120,11 +120,11 @@ def test_a_mixture_scores_and_leads_exactly_as_in_python(trace: Trace, variant: 
 @pytest.mark.parametrize("policy", ["lru", "reuse-gap", "mixture", "mixture-v1"])
 def test_a_whole_queue_in_a_shadow_replays_as_the_miniature_does(trace: Trace, policy: str) -> None:
     """A registry policy in a shadow cache, as ``miniature._Mini`` runs it: on whole requests
-    and on sampled single keys (the miniature's flat stream)."""
+    and on their sampled keys (the miniature's chains, one key in 4)."""
     paths = chained_paths(trace)
-    flat = [[k] for keys in paths for k in keys if not k & 3]
+    sampled = [chain for keys in paths if (chain := [k for k in keys if not k & 3])]
     longest = max(len(p) for p in paths)
-    for stream, capacity in ((paths, max(longest, trace.capacity_blocks(0.1))), (flat, 64)):
+    for stream, capacity in ((paths, max(longest, trace.capacity_blocks(0.1))), (sampled, 64)):
         py = Mini(policy, capacity)
         twin = kvpool_native.MiniTwin(policy, capacity)
         for i, keys in enumerate(stream):

@@ -62,6 +62,9 @@ began evicting (``OutOfBlocksError`` with those evictions, and their copies, don
   rebuilds the queues (and the policy curve, if on), a new ``event_buffer_max_size``
   resizes the event queue.
 - ``policy_curve(on: bool) -> None``: a new miniature of the current policy, or none.
+- ``mute_curve(muted: bool) -> None``: while muted, an ``open`` is no query of the policy
+  curve; ``query_curve(tokens, namespace) -> None`` makes one of every full block of
+  ``tokens`` without opening anything (muted or not).
 
 Storage copies: ``take_copies() -> list[CopyOp]`` returns (and forgets) the copies the
 core recorded since the last call, oldest first. The caller takes and executes them, in
@@ -83,9 +86,10 @@ Read side: ``sequence(seq_id) -> SequenceView``, ``is_open(seq_id) -> bool``,
 priority, expires_at, stored_at, last_used, hits, and per group a ``Block`` or None with
 tier, block_id, ref_count), and the objects ``stats`` (``CacheStats``), ``events``
 (``EventQueue``), ``ghost`` (``GhostList``), ``mrc`` and ``miniature`` (replaceable: the
-core calls their ``access_nodes`` with the nodes a request hit, then with those it
-stored, reading only ``key``; the compiled core feeds compiled curves of the same interface
-inside the engine, ``native_curves.py``).
+core calls ``mrc.access_nodes`` with the nodes a request hit, then with those it stored,
+reading only ``key``, and ``miniature.access_chain`` at each open with the keys of the
+prompt's full blocks, root first; the compiled core feeds compiled curves of the same
+interface inside the engine, ``native_curves.py``).
 """
 
 from __future__ import annotations
@@ -191,8 +195,9 @@ class CacheCore:
         self.mrc: AnyMissRatioCurve = MissRatioCurve(self._curve_capacity())
         """Reuse distances of the accessed blocks (``cache/mrc.py``): hits and stores."""
         self.miniature: AnyPolicyMiniature | None = None
-        """The policy's own curve (``cache/miniature.py``), fed the same accesses; the agent
-        drains it between requests. None: off (``policy_curve``)."""
+        """The policy's own curve (``cache/miniature.py``), fed each query's chain of block
+        keys; the agent drains it between requests. None: off (``policy_curve``)."""
+        self._curve_muted = False
         self.policy_curve(True)
         self.events.push(AllBlocksCleared())
 
@@ -273,10 +278,14 @@ class CacheCore:
         seq.packed = packed
         self._next_seq += 1
         seq.nodes = path
-        if tree.observers and settings.enable_block_reuse:
+        mini = None if self._curve_muted else self.miniature
+        if settings.enable_block_reuse and (tree.observers or mini is not None):
             keys = self._block_keys(namespace, tokens, path)
-            tree.observe(keys)
-            seq.observed = len(keys)
+            if tree.observers:
+                tree.observe(keys)
+                seq.observed = len(keys)
+            if mini is not None:
+                mini.access_chain(keys)
         from_host = (
             sum(
                 1
@@ -408,6 +417,13 @@ class CacheCore:
         self.miniature = (
             PolicyMiniature(self.settings.eviction_policy, self._curve_capacity()) if on else None
         )
+
+    def mute_curve(self, muted: bool) -> None:
+        self._curve_muted = muted
+
+    def query_curve(self, tokens: list[int], namespace: int) -> None:
+        if self.miniature is not None and self.settings.enable_block_reuse:
+            self.miniature.access_chain(self._block_keys(namespace, tokens, []))
 
     def take_copies(self) -> list[CopyOp]:
         """The storage copies recorded since the last call, oldest first (see the module)."""
@@ -549,8 +565,6 @@ class CacheCore:
         seq.committed_blocks = len(seq.nodes)
         stored = seq.nodes[first:]
         self.mrc.access_nodes(stored)
-        if self.miniature is not None:
-            self.miniature.access_nodes(stored)
         if tree.observers and full > seq.observed:
             tree.observe([node.key for node in seq.nodes], scored=False)
             seq.observed = full
@@ -621,5 +635,3 @@ class CacheCore:
             node.hits += 1
         if self.settings.enable_block_reuse:
             self.mrc.access_nodes(path)
-            if self.miniature is not None:
-                self.miniature.access_nodes(path)

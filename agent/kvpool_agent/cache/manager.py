@@ -132,6 +132,7 @@ class KVCacheManager:
         ``CacheCore``, or its compiled twin (``native.py``), as ``core`` says (None:
         ``$KVPOOL_CORE``, else the compiled one where it is installed)."""
         self._max_blocks = self._core.group_capacity
+        self._curve_muted = False
 
     # ----------------------------------------------------------------- construction
 
@@ -273,9 +274,39 @@ class KVCacheManager:
         stay the clients'; evictions, offloads and the rest still count."""
         saved = {name: copy.copy(getattr(self.stats, name)) for name in QUERY_COUNTERS}
         try:
-            yield
+            with self.curve_muted():
+                yield
         finally:
             self._core.restore_counters(saved)
+
+    @contextmanager
+    def curve_muted(self) -> Iterator[None]:
+        """Sequences opened inside are no queries of the policy curve (``miniature``): a
+        data-plane lease opens only the leased prefix of the chain it was asked for, and
+        asks the curve with the whole chain instead (``query_policy_curve``); a store
+        (``uncounted``) is no query at all."""
+        if self._curve_muted:
+            yield
+            return
+        self._curve_muted = True
+        self._core.mute_curve(True)
+        try:
+            yield
+        finally:
+            self._curve_muted = False
+            self._core.mute_curve(False)
+
+    def query_policy_curve(
+        self,
+        tokens: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[int | str] = (),
+    ) -> None:
+        """A query of the policy curve with every full block of ``tokens``, as an
+        ``open_sequence`` of them would make, opening nothing (muted or not)."""
+        toks = check_tokens(tokens)
+        self._core.query_curve(toks, namespace_of(cache_salt, extra_keys))
 
     def count_missed(self, blocks: int) -> None:
         """Count ``blocks`` a client asked for that no open matched (a lease past what the
@@ -329,9 +360,9 @@ class KVCacheManager:
 
     @property
     def miniature(self) -> AnyPolicyMiniature | None:
-        """The policy's own curve (``cache/miniature.py``), fed the same accesses; the agent
-        drains it between requests. None: off (``policy_curve``). On the compiled core, a
-        view of its compiled miniature (``cache/native_curves.py``)."""
+        """The policy's own curve (``cache/miniature.py``), fed each query's chain of
+        block keys; the agent drains it between requests. None: off (``policy_curve``). On
+        the compiled core, a view of its compiled miniature (``cache/native_curves.py``)."""
         return self._core.miniature
 
     @miniature.setter

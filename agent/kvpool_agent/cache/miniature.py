@@ -9,25 +9,30 @@ curve missed by up to 14 (``bench/autoscale_predict.py``, ``docs/operations.md``
 A miniature simulation (Waldspurger et al., "Cache Modeling and Optimization using Miniature
 Simulations", ATC '17) runs the policy itself on the spatially sampled keys (rate
 ``R = 2**-shift``) in a cache ``R`` times the size: a few caches, one per ratio of the
-capacity, each a metadata-only ``ShadowCache`` of the configured policy fed one sampled
-block at a time. Their hit ratios are the policy's curve at those ratios.
+capacity, each a metadata-only ``ShadowCache`` of the configured policy.
 
-Fed flat, a miniature does not keep what the real tree keeps: the tree evicts only leaves,
-so a block whose continuations are cached is never a victim, while a flat miniature can lose
-a shared prefix. On the end-to-end trace slice that puts the curve's gain from a second
-replica 3 points low on average; a prototype fed each request's sampled keys as one chain
-(root first, which ``ShadowCache.step`` already takes) removes most of it
-(``bench/autoscale_sampling.py``, ``docs/operations.md``). The engines would first have to
-hand the curves a request's whole chain in one call.
+Each is fed a request's sampled keys as one chain, root first (``access_chain``, at open,
+with every full block of the prompt), as the tree sees the request: the sampled keys of a
+prefix are a prefix of the sampled keys, so a miniature holds prefixes and, like the tree,
+evicts only leaves, never a shared prefix whose continuations it keeps. Fed one key at a
+time, it lost such prefixes and put the gain from a second replica 3 points low on the
+end-to-end trace slice; fed chains, with every key simulated, it is the exact curve there
+(``bench/autoscale_sampling.py``, ``docs/operations.md``). A request counts its chain's
+keys as accesses and the chain's cached prefix as hits, as the tree counts a query's blocks
+and its matched prefix (blocks a sequence's decode adds are part of no query). The data
+plane asks once per lease, with the whole chain it was asked for; its stores ask nothing
+(``KVCacheManager.curve_muted``).
 
 Cost. The engine's request path only appends the sampled keys to a list (a mask and a
-compare per block); ``drain`` replays them, a few tens of microseconds per sampled key and
-miniature for ``mixture``, off the request path: the agent drains between requests within a
-CPU budget (``limits.policy_curve_cpu_share``). The rate is the lowest that keeps
-``min_blocks`` in the smallest miniature, so the cost per engine block falls as the cache
-grows (at 10,000 blocks one key in 32 is sampled, at 100,000 one in 256). When the budget
-cannot keep up and more than ``max_pending`` keys wait, the oldest half is dropped (counted):
-the curve then misses some reuses, it never stalls the engine.
+compare per block, once the keys of the missed blocks are hashed at open, which
+``mixture``'s own observers need anyway); ``drain`` replays them, a few tens
+of microseconds per sampled key and miniature for ``mixture``, off the request path: the
+agent drains between requests within a CPU budget (``limits.policy_curve_cpu_share``). The
+rate is the lowest that keeps ``min_blocks`` in the smallest miniature, so the cost per
+engine block falls as the cache grows (at 10,000 blocks one key in 32 is sampled, at
+100,000 one in 256). When the budget cannot keep up and more than ``max_pending`` keys
+wait, the oldest chains are dropped (counted) until at most half of that waits: the curve
+then misses some reuses, it never stalls the engine.
 
 The compiled core runs a compiled twin of this class (``agent/native/src/curves/
 miniature.rs``, wrapped by ``native_curves.NativePolicyMiniature``): the engine queues the
@@ -38,10 +43,10 @@ class is its specification, and the policy curve of the Python core.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvpool_agent.cache.block import TreeNode
 from kvpool_agent.cache.eviction.base import SharedPolicy
 from kvpool_agent.cache.eviction.registry import POLICIES
 from kvpool_agent.cache.eviction.shadow import ShadowCache
@@ -52,7 +57,8 @@ about (1 -> 2 is 2, 2 -> 1 is 0.5, 3 -> 2 is 0.67, 4 -> 1 is 0.25)."""
 MIN_BLOCKS = 64
 """Fewest blocks the smallest miniature keeps: a cache of a few blocks says little."""
 MAX_PENDING = 16384
-"""Sampled keys waiting for ``drain`` beyond which the oldest are dropped (half of them)."""
+"""Sampled keys waiting for ``drain`` beyond which the oldest chains are dropped (until half
+that many wait)."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +95,11 @@ class _Mini:
             self.shared = None
             self.cache = ShadowCache(capacity, entry())
 
-    def step(self, key: int) -> int:
-        keys = (key,)
+    def step(self, chain: Sequence[int]) -> int:
+        """One request's sampled keys, root first; returns its cached prefix's length."""
         if self.shared is not None:
-            self.shared.observe(keys)
-        return self.cache.step(keys)
+            self.shared.observe(chain)
+        return self.cache.step(chain)
 
 
 def checked_ratios(policy: str, ratios: Iterable[float]) -> tuple[float, ...]:
@@ -140,6 +146,9 @@ class PolicyMiniature:
         self.accesses = 0
         self.dropped = 0
         self.pending: list[int] = []
+        """Sampled keys waiting for ``drain``, oldest first: the chains end to end."""
+        self._chains: deque[int] = deque()
+        """Length of each chain in ``pending``, oldest first."""
 
     @property
     def rate(self) -> float:
@@ -151,57 +160,55 @@ class PolicyMiniature:
 
     # ------------------------------------------------------------------ engine hooks
 
-    def access_nodes(self, nodes: Iterable[TreeNode]) -> None:
-        """Queue the sampled ones among the accessed tree nodes (their ``key``)."""
-        mask = self._mask
-        pending = self.pending
-        for node in nodes:
-            if not node.key & mask:
-                pending.append(node.key)
-        if len(pending) > self.max_pending:
-            self._overflow()
-
     @property
     def mask(self) -> int:
         """A key is sampled when ``key & mask == 0``."""
         return self._mask
 
-    def queue_sampled(self, keys: Sequence[int]) -> None:
-        """The sampled keys of one request's accessed nodes, in order: what ``access_nodes``
-        queues, for an engine that sampled them itself (``native.py``)."""
-        pending = self.pending
-        pending.extend(keys)
-        if len(pending) > self.max_pending:
-            self._overflow()
+    def access_chain(self, keys: Iterable[int]) -> None:
+        """One request: the keys of its prompt's full blocks, root first (keys must be
+        well-mixed hashes); the sampled ones are queued as one chain."""
+        mask = self._mask
+        self.queue_chain([key for key in keys if not key & mask])
 
     def access(self, key: int) -> None:
-        """Queue one accessed key if it is sampled (keys must be well-mixed hashes)."""
+        """A request of one block: ``access_chain((key,))``."""
         if not key & self._mask:
-            self.pending.append(key)
-            if len(self.pending) > self.max_pending:
-                self._overflow()
+            self.queue_chain((key,))
+
+    def queue_chain(self, sampled: Sequence[int]) -> None:
+        """One request's sampled keys, root first: what ``access_chain`` queues, for an
+        engine that sampled them itself (``native.py``)."""
+        if not sampled:
+            return
+        self.pending.extend(sampled)
+        self._chains.append(len(sampled))
+        if len(self.pending) > self.max_pending:
+            self._overflow()
 
     # ------------------------------------------------------------------ simulation
 
     def drain(self, limit: int | None = None) -> int:
-        """Replay up to ``limit`` pending keys (all when None) through every miniature;
-        returns how many were replayed."""
-        pending = self.pending
-        n = len(pending) if limit is None else min(limit, len(pending))
-        if not n:
-            return 0
-        batch = pending[:n]
-        del pending[:n]
+        """Replay pending chains, oldest first, through every miniature: all when ``limit``
+        is None, else until ``limit`` keys were (the last chain whole, so a few more).
+        Returns how many keys were replayed."""
+        pending, chains = self.pending, self._chains
+        want = len(pending) if limit is None else min(limit, len(pending))
         minis, hits = self._minis, self.hits
         warm = self._warm_after
-        for key in batch:
-            self._seen += 1
-            got = [mini.step(key) for mini in minis]
+        done = 0
+        while done < want:
+            n = chains.popleft()
+            chain = pending[done : done + n]
+            done += n
+            got = [mini.step(chain) for mini in minis]
+            self._seen += n
             if self._seen > warm:
-                self.accesses += 1
+                self.accesses += n
                 for i, hit in enumerate(got):
                     hits[i] += hit
-        return n
+        del pending[:done]
+        return done
 
     def snapshot(self) -> PolicyCurveSnapshot:
         return PolicyCurveSnapshot(
@@ -217,7 +224,12 @@ class PolicyMiniature:
     # ------------------------------------------------------------------ internals
 
     def _overflow(self) -> None:
-        """Too many keys wait for ``drain``: keep the newest ``max_pending / 2``."""
-        cut = len(self.pending) - self.max_pending // 2
+        """Too many keys wait for ``drain``: drop the oldest chains until at most
+        ``max_pending // 2`` keys wait."""
+        keep = self.max_pending // 2
+        chains = self._chains
+        cut = 0
+        while chains and len(self.pending) - cut > keep:
+            cut += chains.popleft()
         self.dropped += cut
         del self.pending[:cut]

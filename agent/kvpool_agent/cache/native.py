@@ -287,13 +287,13 @@ class NativeCore:
         counters to ``stats``."""
         engine = self._engine
         if self._python_fed:
-            count, mrc_keys, mini_keys = engine.take_accesses()
-            if count:
-                if not isinstance(self._mrc, NativeMissRatioCurve):
-                    self._mrc.access_sampled(count, mrc_keys)
-                mini = self._miniature
-                if mini is not None and not isinstance(mini, NativePolicyMiniature):
-                    mini.queue_sampled(mini_keys)
+            count, mrc_keys, mini_chains = engine.take_accesses()
+            if count and not isinstance(self._mrc, NativeMissRatioCurve):
+                self._mrc.access_sampled(count, mrc_keys)
+            mini = self._miniature
+            if mini_chains and mini is not None and not isinstance(mini, NativePolicyMiniature):
+                for chain in mini_chains:
+                    mini.queue_chain(chain)
         c = engine.counters()
         s = self.stats
         s.queries_tokens = c[0]
@@ -430,6 +430,19 @@ class NativeCore:
     def sequence(self, seq_id: int) -> SequenceView:
         num_tokens, reused, tables, firsts = self._engine.handle(seq_id)
         return SequenceView(seq_id, num_tokens, reused, tuple(tables), tuple(firsts))
+
+    def mute_curve(self, muted: bool) -> None:
+        self._engine.set_curve_queries(not muted)
+
+    def query_curve(self, tokens: list[int], namespace: int) -> None:
+        packed = pack(tokens)
+        try:
+            if isinstance(packed, bytes):
+                self._engine.query_curves(namespace, packed, None)
+            else:
+                self._engine.query_curves(namespace, None, tokens)
+        finally:
+            self._after()
 
     def lookup(self, tokens: list[int], namespace: int) -> list[int]:
         packed = pack(tokens)

@@ -9,10 +9,11 @@ agent's ``/metrics`` and ``/v1/stats``, its housekeeping's ``drain``, the benchm
 either through the same attributes and methods.
 
 A compiled curve is fed one of two ways. Made here, it is fed like the Python one
-(``access``, ``access_nodes``, ...). ``attach``\\ ed to a ``kvpool_native.Engine`` (what
-``native.NativeCore`` does with its own curves), it moves into the engine, which feeds it
-on every request with no Python involved; the object becomes a view of it (reads and
-``drain`` go through the engine) until ``detach`` takes it back.
+(``access``, ``access_nodes``, ``access_chain``, ...). ``attach``\\ ed to a
+``kvpool_native.Engine`` (what ``native.NativeCore`` does with its own curves), it moves
+into the engine, which feeds it on every request with no Python involved; the object
+becomes a view of it (reads and ``drain`` go through the engine) until ``detach`` takes it
+back.
 
 What the compiled curves take is narrower than what Python's do: keys are 64-bit (the
 engine's keys are), shifts at most 63, and parameters whose float arithmetic a ``float``
@@ -86,7 +87,8 @@ class CompiledSampler:
         return int(self._raw.mask)
 
     def access(self, key: int) -> None:
-        """One accessed key (counted by a curve; queued by a miniature when sampled)."""
+        """One accessed key (counted by a curve; a miniature queues it, when sampled, as a
+        request of one block)."""
         self._raw.access(key)
 
     @property
@@ -302,19 +304,21 @@ class NativePolicyMiniature(CompiledSampler):
 
     # ------------------------------------------------------------------ feeding
 
-    def access_nodes(self, nodes: Iterable[TreeNode]) -> None:
-        """Queue the sampled ones among the accessed tree nodes (their ``key``)."""
-        self._raw.access_keys([node.key for node in nodes])
+    def access_chain(self, keys: Iterable[int]) -> None:
+        """One request: the keys of its prompt's full blocks, root first; the sampled ones
+        are queued as one chain."""
+        self._raw.access_chain(list(keys))
 
-    def queue_sampled(self, keys: Sequence[int]) -> None:
-        """The sampled keys of one request's accessed nodes, in order."""
-        self._raw.queue_sampled(list(keys))
+    def queue_chain(self, sampled: Sequence[int]) -> None:
+        """One request's sampled keys, root first."""
+        self._raw.queue_chain(list(sampled))
 
     # ------------------------------------------------------------------ simulation
 
     def drain(self, limit: int | None = None) -> int:
-        """Replay up to ``limit`` pending keys (all when None) through every miniature;
-        returns how many were replayed."""
+        """Replay pending chains, oldest first, through every miniature: all when ``limit``
+        is None, else until ``limit`` keys were (the last chain whole). Returns how many
+        keys were replayed."""
         return int(self._raw.drain(limit))
 
     def snapshot(self) -> PolicyCurveSnapshot:

@@ -279,8 +279,13 @@ class AgentService:
             deadlines += [s.expires_at for s in self.stores.values() if s.expires_at is not None]
             if deadlines:  # wake at the earliest lease (or reservation) deadline
                 delay = max(0.01, min(interval, min(deadlines) - time.monotonic()))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lease_added.wait(), delay)
+            # Not ``wait_for``: on Python 3.11 a cancel that lands as the event is set can
+            # leave it waiting on the finished wait forever, and ``stop`` with it.
+            waiter = asyncio.ensure_future(self._lease_added.wait())
+            try:
+                await asyncio.wait((waiter,), timeout=delay)
+            finally:
+                waiter.cancel()
             self._lease_added.clear()
             try:
                 self.credentials.refresh()
@@ -648,7 +653,9 @@ class AgentService:
     ) -> tuple[Lease | None, list[str]]:
         """Pin the leading resident blocks of a chain for at most ``ttl_s`` (bounded by
         ``transfer.max_lease_ttl_s``); None when none is resident. A lease is the data
-        plane's prefix-cache query: the whole chain counts as queried, the lease as hits."""
+        plane's prefix-cache query: the whole chain counts as queried, the lease as hits,
+        and the policy curve is asked with the whole chain (the store that follows a miss
+        is none: ``uncounted``)."""
         tenant = self.tenant_of(principal)
         chain = self._chain(ns, keys)
         if self.draining:
@@ -669,15 +676,18 @@ class AgentService:
             d = len(tiers)
             if d == 0:
                 self._count_unmatched(len(chain))
+                self.engine.query_policy_curve(tokens, cache_salt=salt)
                 return None, []
             self._admit(tenant, d * tpb)
-            handle = self.engine.open_sequence(
-                tokens[: d * tpb], cache_salt=salt, recompute_last_token=False
-            )
+            with self.engine.curve_muted():  # the curve's query is the whole chain, below
+                handle = self.engine.open_sequence(
+                    tokens[: d * tpb], cache_salt=salt, recompute_last_token=False
+                )
             if handle.num_reused_tokens != d * tpb:  # cannot happen: same hold as the lookup
                 self.engine.release(handle.seq_id, discard=True)
                 raise RequestError(503, "lease: the cache changed under the request; retry")
             self._count_unmatched(len(chain) - d)
+            self.engine.query_policy_curve(tokens, cache_salt=salt)
             lease = Lease(
                 self._new_id(),
                 tenant,

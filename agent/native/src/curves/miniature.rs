@@ -1,11 +1,12 @@
 //! Follows `miniature.py`: the engine's own eviction policy at several fractions of the
 //! capacity, simulated on spatially sampled keys (miniature simulations).
 //!
-//! The engine queues the sampled keys of each request's accessed blocks (`access_keys`:
-//! a mask and a compare per block, bounded by `max_pending`, the oldest half dropped beyond
-//! it); `drain` replays them later through one [`MiniCache`] per ratio, each the policy's
-//! whole queue in a shadow cache, stepped one key at a time as `_Mini.step` does. Counts,
-//! drops, warm-up and the sampling rate are the Python class's, to the access.
+//! The engine queues the sampled keys of each query's full blocks as one chain, root first
+//! (`access_chain`: a mask and a compare per block, bounded by `max_pending`, the oldest
+//! chains dropped beyond it); `drain` replays the chains later through one [`MiniCache`] per
+//! ratio, each the policy's whole queue in a shadow cache, stepped one chain at a time as
+//! `_Mini.step` does. Counts, drops, warm-up and the sampling rate are the Python class's,
+//! to the access.
 
 use std::collections::VecDeque;
 
@@ -41,7 +42,10 @@ pub struct PolicyMiniature {
     hits: Vec<u64>,
     accesses: u64,
     dropped: u64,
+    /// Sampled keys waiting for `drain`, oldest first: the chains end to end.
     pending: VecDeque<i64>,
+    /// Length of each chain in `pending`, oldest first.
+    chains: VecDeque<u32>,
 }
 
 /// `2 ** k` as a float (exact, for `k` up to 1023).
@@ -112,6 +116,7 @@ impl PolicyMiniature {
             accesses: 0,
             dropped: 0,
             pending: VecDeque::new(),
+            chains: VecDeque::new(),
         })
     }
 
@@ -177,67 +182,71 @@ impl PolicyMiniature {
 
     // ------------------------------------------------------------------ feeding
 
-    /// `access_nodes`: queue the sampled ones among `keys`, then bound the queue.
+    /// `access_chain`: one query's block keys, root first; the sampled ones are queued as
+    /// one chain.
     #[inline]
-    pub fn access_keys<I: Iterator<Item = i64>>(&mut self, keys: I) {
+    pub fn access_chain<I: Iterator<Item = i64>>(&mut self, keys: I) {
         let mask = self.mask;
-        for key in keys {
-            if (key as u64) & mask == 0 {
-                self.pending.push_back(key);
-            }
-        }
-        if self.pending.len() as i128 > self.max_pending as i128 {
-            self.overflow();
-        }
+        let before = self.pending.len();
+        self.pending
+            .extend(keys.filter(|&key| (key as u64) & mask == 0));
+        self.close_chain(before);
     }
 
-    /// `queue_sampled`: the sampled keys of one request, in order.
-    pub fn queue_sampled(&mut self, keys: &[i64]) {
-        self.pending.extend(keys.iter().copied());
-        if self.pending.len() as i128 > self.max_pending as i128 {
-            self.overflow();
-        }
+    /// `queue_chain`: one query's sampled keys, root first.
+    pub fn queue_chain(&mut self, sampled: &[i64]) {
+        let before = self.pending.len();
+        self.pending.extend(sampled.iter().copied());
+        self.close_chain(before);
     }
 
-    /// `access`: queue one key if it is sampled.
+    /// `access`: a query of one block.
     pub fn access(&mut self, key: i64) {
-        if (key as u64) & self.mask == 0 {
-            self.pending.push_back(key);
-            if self.pending.len() as i128 > self.max_pending as i128 {
-                self.overflow();
-            }
+        self.access_chain(std::iter::once(key));
+    }
+
+    /// Record the keys queued since `before` as one chain (none when empty), then bound the
+    /// queue.
+    fn close_chain(&mut self, before: usize) {
+        let n = self.pending.len() - before;
+        if n == 0 {
+            return;
+        }
+        self.chains.push_back(n as u32);
+        if self.pending.len() as i128 > self.max_pending as i128 {
+            self.overflow();
         }
     }
 
     // ------------------------------------------------------------------ simulation
 
-    /// `drain(limit)`: replay up to `limit` pending keys (all when None) through every
-    /// miniature; returns `min(limit, pending)`, which, as in Python, is negative for a
-    /// negative limit (then every key but the last `-limit` is replayed).
-    pub fn drain(&mut self, limit: Option<i64>) -> i64 {
+    /// `drain(limit)`: replay pending chains, oldest first, through every miniature: all
+    /// when `limit` is None, else until `limit` keys were (the last chain whole). Returns
+    /// the keys replayed.
+    pub fn drain(&mut self, limit: Option<i64>) -> u64 {
         let len = self.pending.len() as i64;
-        let n = limit.map_or(len, |l| l.min(len));
-        if n == 0 {
-            return 0;
-        }
-        // `pending[:n]`
-        let take = if n > 0 { n } else { (len + n).max(0) } as usize;
+        let want = limit.map_or(len, |l| l.min(len));
         let warm = self.warm_after;
-        for _ in 0..take {
-            let key = self.pending.pop_front().expect("counted");
-            self.seen += 1;
+        let mut done: i64 = 0;
+        let mut chain: Vec<i64> = Vec::new();
+        while done < want {
+            let n = self.chains.pop_front().expect("counted") as usize;
+            chain.clear();
+            chain.extend(self.pending.drain(..n));
+            done += n as i64;
+            self.seen += n as u64;
             let counted = self.seen > warm;
             if counted {
-                self.accesses += 1;
+                self.accesses += n as u64;
             }
             for (mini, hits) in self.minis.iter_mut().zip(self.hits.iter_mut()) {
-                let hit = mini.observe_and_step(&[key], |_| {});
+                let hit = mini.observe_and_step(&chain, |_| {});
                 if counted {
                     *hits += hit as u64;
                 }
             }
         }
-        n
+        done as u64
     }
 
     /// Heap bytes owned (the miniatures, their orders, the queue of keys).
@@ -248,14 +257,22 @@ impl PolicyMiniature {
             .sum::<usize>()
             + self.minis.capacity() * std::mem::size_of::<MiniCache>()
             + self.pending.capacity() * 8
+            + self.chains.capacity() * 4
             + (self.hits.capacity() + self.ratios.capacity()) * 8
     }
 
-    /// Too many keys wait: keep the newest `max_pending / 2` (floor division, as Python's).
+    /// Too many keys wait: drop the oldest chains until at most `max_pending // 2` (floor
+    /// division, as Python's) wait.
     fn overflow(&mut self) {
-        let cut = self.pending.len() as i128 - (self.max_pending as i128).div_euclid(2);
+        let keep = (self.max_pending as i128).div_euclid(2);
+        let mut cut = 0usize;
+        while (self.pending.len() - cut) as i128 > keep {
+            let Some(n) = self.chains.pop_front() else {
+                break;
+            };
+            cut += n as usize;
+        }
         self.dropped += cut as u64;
-        let cut = (cut as usize).min(self.pending.len());
         self.pending.drain(..cut);
     }
 }
@@ -293,22 +310,36 @@ mod tests {
     }
 
     #[test]
-    fn a_full_queue_drops_its_oldest_half_and_counts_them() {
+    fn a_full_queue_drops_its_oldest_chains_and_counts_them() {
         let mut mini = PolicyMiniature::new("lru", 100, &[1.0], 64.0, 1000, Some(0)).unwrap();
-        for key in 0..5000 {
-            mini.access(key);
+        for start in (0..5000).step_by(5) {
+            mini.access_chain(start..start + 5);
         }
         assert!(mini.pending().len() <= 1000);
+        assert_eq!(mini.pending().len() % 5, 0); // whole chains only
         assert_eq!(mini.dropped() as usize + mini.pending().len(), 5000);
         assert_eq!(*mini.pending().back().unwrap(), 4999);
-        assert_eq!(mini.drain(Some(10)), 10);
+        assert_eq!(mini.drain(Some(12)), 15); // the last chain whole
         assert_eq!(mini.accesses(), 0); // within the warm-up of 100
-        let left = mini.pending().len() as i64;
-        assert_eq!(mini.drain(Some(-3)), -3); // Python's pending[:-3]
-        assert_eq!(mini.pending().len(), 3);
-        assert_eq!(mini.drain(None), 3);
+        let left = mini.pending().len() as u64;
+        assert_eq!(mini.drain(Some(0)), 0);
+        assert_eq!(mini.drain(Some(-3)), 0);
+        assert_eq!(mini.drain(None), left);
         assert_eq!(mini.drain(None), 0);
-        assert_eq!(mini.accesses(), (left + 10) as u64 - 100);
+        assert_eq!(mini.accesses(), left + 15 - 100);
+    }
+
+    #[test]
+    fn a_chain_hits_its_cached_prefix_and_evicts_leaves_first() {
+        let mut mini =
+            PolicyMiniature::new("lru", 3, &[1.0], MIN_BLOCKS, MAX_PENDING, Some(0)).unwrap();
+        for chain in [&[1i64, 2][..], &[5], &[7], &[1, 2]] {
+            mini.access_chain(chain.iter().copied());
+        }
+        assert_eq!(mini.drain(None), 6);
+        // 7 evicts the least recent leaf, 2, not the older prefix 1 (fed one key at a time,
+        // 1 would go): counted after the warm-up of 3 keys, 7 misses and [1, 2] hits 1.
+        assert_eq!((mini.accesses(), mini.hits()), (3, &[1u64][..]));
     }
 
     #[test]
@@ -319,7 +350,7 @@ mod tests {
         assert_eq!(mini.ratios(), &[0.25, 1.0]);
         assert_eq!(mini.sizes(), vec![4, 16]);
         for _ in 0..3 {
-            mini.access_keys([1i64, 2, 3, 4].into_iter());
+            mini.access_chain([1i64, 2, 3, 4].into_iter());
         }
         assert_eq!(mini.drain(None), 12);
         assert_eq!((mini.accesses(), mini.hits()), (8, &[8u64, 8][..]));

@@ -6,9 +6,11 @@
 //! masks, same counts, drops and warm-up, and snapshots equal to the last bit of every float
 //! (`tests/native/test_curves.py` holds each to its original on random and traced streams).
 //!
-//! The engine owns its curves ([`Curves`], `Engine::curves`) and feeds them itself where it
-//! records an access (`Engine::record_accesses`: the blocks a request matched, then the blocks
-//! it stored), so a request costs no Python for them; the agent reads the curves and drains
+//! The engine owns its curves ([`Curves`], `Engine::curves`) and feeds them itself, so a
+//! request costs no Python for them: the miss-ratio curve where it records an access
+//! (`Engine::record_accesses`: the blocks a request matched, then the blocks it stored), the
+//! policy curve at each open with the keys of the prompt's full blocks as one chain
+//! (`Engine::record_query`); the agent reads the curves and drains
 //! the policy curve's queue through `py.rs`'s classes, which either own a curve or look at
 //! the one an engine holds.
 
@@ -30,15 +32,26 @@ pub struct Curves {
 }
 
 impl Curves {
-    /// One request's accesses to the blocks `keys`, in order (`access_nodes` on each curve).
+    /// One request's accesses to the blocks `keys`, in order (the miss-ratio curve's
+    /// `access_nodes`).
     #[inline]
-    pub fn access<I: ExactSizeIterator<Item = i64> + Clone>(&mut self, keys: I) {
+    pub fn access<I: ExactSizeIterator<Item = i64>>(&mut self, keys: I) {
         if let Some(mrc) = &mut self.mrc {
-            mrc.access_keys(keys.clone());
+            mrc.access_keys(keys);
         }
+    }
+
+    /// One query's block keys, root first (the policy curve's `access_chain`).
+    #[inline]
+    pub fn query(&mut self, keys: &[i64]) {
         if let Some(mini) = &mut self.miniature {
-            mini.access_keys(keys);
+            mini.access_chain(keys.iter().copied());
         }
+    }
+
+    /// Whether a query's chain of keys is wanted (the policy curve is on).
+    pub fn wants_queries(&self) -> bool {
+        self.miniature.is_some()
     }
 
     /// Heap bytes owned.

@@ -1,8 +1,8 @@
 //! `kvpool_native.MissRatioCurve` and `kvpool_native.PolicyMiniature`: the compiled curves
 //! for `kvpool_agent/cache/native_curves.py`, which gives them the Python classes' interface.
 //!
-//! Each object either owns its curve (made from Python: fed with `access`, `access_keys`,
-//! `access_sampled` or `queue_sampled`) or, once `attach`ed to a `kvpool_native.Engine`, is a
+//! Each object either owns its curve (made from Python: fed with `access`, `access_keys`
+//! or `access_sampled`, a miniature with `access`, `access_chain` or `queue_chain`) or, once `attach`ed to a `kvpool_native.Engine`, is a
 //! view of the curve the engine now holds and feeds on every request: the curve moves into
 //! the engine, and reads (`snapshot`, `hits`, `pending`, ...) and `drain` go through the
 //! engine. `detach` moves it back, frozen. An engine holds at most one curve of each kind,
@@ -372,19 +372,19 @@ impl PyPolicyMiniature {
         self.home.write(py, |m| m.access(key))
     }
 
-    /// `access_nodes` with the nodes' keys.
-    fn access_keys(&mut self, py: Python<'_>, keys: Vec<i64>) -> PyResult<()> {
-        self.home.write(py, |m| m.access_keys(keys.into_iter()))
+    /// One query's block keys, root first.
+    fn access_chain(&mut self, py: Python<'_>, keys: Vec<i64>) -> PyResult<()> {
+        self.home.write(py, |m| m.access_chain(keys.into_iter()))
     }
 
-    fn queue_sampled(&mut self, py: Python<'_>, keys: Vec<i64>) -> PyResult<()> {
-        self.home.write(py, |m| m.queue_sampled(&keys))
+    /// One query's sampled keys, root first.
+    fn queue_chain(&mut self, py: Python<'_>, sampled: Vec<i64>) -> PyResult<()> {
+        self.home.write(py, |m| m.queue_chain(&sampled))
     }
 
-    /// Replay up to `limit` pending keys (all when None); returns how many (see
-    /// `PolicyMiniature::drain` for a negative limit).
+    /// Replay pending chains until `limit` keys were (all when None); returns how many.
     #[pyo3(signature = (limit=None))]
-    fn drain(&mut self, py: Python<'_>, limit: Option<i64>) -> PyResult<i64> {
+    fn drain(&mut self, py: Python<'_>, limit: Option<i64>) -> PyResult<u64> {
         self.home.write(py, |m| m.drain(limit))
     }
 

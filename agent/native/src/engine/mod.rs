@@ -171,9 +171,14 @@ pub struct HandleData {
 pub struct Accesses {
     pub mrc_mask: Option<u64>,
     pub mini_mask: Option<u64>,
+    /// Accesses the miss-ratio curve's keys were sampled from.
     pub count: u64,
     pub mrc_keys: Vec<i64>,
-    pub mini_keys: Vec<i64>,
+    /// Each query's sampled keys, root first (empty chains left out).
+    pub mini_chains: Vec<Vec<i64>>,
+    /// Opens are no policy-curve queries while set (`set_curve_queries`): the data plane's
+    /// stores and leases, whose query `query_curves` feeds whole.
+    pub muted: bool,
 }
 
 pub struct Engine {
@@ -415,28 +420,57 @@ impl Engine {
         (position as u64 + 1).saturating_sub(window) as usize / self.tpb
     }
 
-    /// An access to each node, for the miss-ratio curve and the policy curve: the engine's
-    /// own curves are fed here, and keys are sampled for curves fed from Python.
+    /// An access to each node, for the miss-ratio curve: the engine's own is fed here, and
+    /// keys are sampled for one fed from Python.
     pub(crate) fn record_accesses(&mut self, nodes: &[u32]) {
         let store = &self.store;
         self.curves
             .access(nodes.iter().map(|&n| store.nodes[n as usize].key));
         let acc = &mut self.accesses;
-        if acc.mrc_mask.is_none() && acc.mini_mask.is_none() {
+        let Some(mask) = acc.mrc_mask else {
             return;
-        }
+        };
         acc.count += nodes.len() as u64;
         for &n in nodes {
             let key = self.store.nodes[n as usize].key;
-            if let Some(mask) = acc.mrc_mask {
-                if (key as u64) & mask == 0 {
-                    acc.mrc_keys.push(key);
-                }
+            if (key as u64) & mask == 0 {
+                acc.mrc_keys.push(key);
             }
-            if let Some(mask) = acc.mini_mask {
-                if (key as u64) & mask == 0 {
-                    acc.mini_keys.push(key);
-                }
+        }
+    }
+
+    /// Whether an open is a policy-curve query: a policy curve is on, and opens are not
+    /// muted.
+    pub(crate) fn wants_queries(&self) -> bool {
+        !self.accesses.muted && self.feeds_queries()
+    }
+
+    fn feeds_queries(&self) -> bool {
+        self.curves.wants_queries() || self.accesses.mini_mask.is_some()
+    }
+
+    /// `query_curves`: a query of the policy curve with every full block of `toks`, with no
+    /// open (muted or not): what the data plane's lease asks, for the whole chain it leases
+    /// a prefix of.
+    pub fn query_curves(&mut self, namespace: i64, toks: &[u64]) {
+        if self.cfg.enable_block_reuse && self.feeds_queries() {
+            let keys = self.block_keys(namespace, toks, &[]);
+            self.record_query(&keys);
+        }
+    }
+
+    /// One query's block keys, root first, for the policy curve: the engine's own is fed
+    /// here, and the sampled ones are kept as one chain for one fed from Python.
+    pub(crate) fn record_query(&mut self, keys: &[i64]) {
+        self.curves.query(keys);
+        if let Some(mask) = self.accesses.mini_mask {
+            let chain: Vec<i64> = keys
+                .iter()
+                .copied()
+                .filter(|&key| (key as u64) & mask == 0)
+                .collect();
+            if !chain.is_empty() {
+                self.accesses.mini_chains.push(chain);
             }
         }
     }

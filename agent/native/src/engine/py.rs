@@ -256,6 +256,24 @@ impl PyEngine {
             .collect()
     }
 
+    /// A policy-curve query with every full block of the tokens, opening nothing.
+    #[pyo3(signature = (namespace, packed, tokens_list))]
+    fn query_curves(
+        &mut self,
+        namespace: i64,
+        packed: Option<Bound<'_, PyBytes>>,
+        tokens_list: Option<Vec<u64>>,
+    ) -> PyResult<()> {
+        let toks = tokens(packed.as_ref(), tokens_list)?;
+        self.inner.query_curves(namespace, &toks);
+        Ok(())
+    }
+
+    /// Whether opens are policy-curve queries (on by default).
+    fn set_curve_queries(&mut self, on: bool) {
+        self.inner.accesses.muted = !on;
+    }
+
     #[pyo3(signature = (namespace, packed, tokens_list))]
     fn lookup(
         &self,
@@ -497,14 +515,15 @@ impl PyEngine {
         self.inner.accesses.mini_mask = mini_mask;
     }
 
-    /// (accesses since the last call, the sampled keys for each curve).
-    fn take_accesses(&mut self) -> (u64, Vec<i64>, Vec<i64>) {
+    /// (accesses since the last call and the miss-ratio curve's sampled keys, the policy
+    /// curve's sampled chains, one per query).
+    fn take_accesses(&mut self) -> (u64, Vec<i64>, Vec<Vec<i64>>) {
         let acc = &mut self.inner.accesses;
         let count = std::mem::take(&mut acc.count);
         (
             count,
             std::mem::take(&mut acc.mrc_keys),
-            std::mem::take(&mut acc.mini_keys),
+            std::mem::take(&mut acc.mini_chains),
         )
     }
 

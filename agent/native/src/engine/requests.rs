@@ -106,12 +106,17 @@ impl Engine {
             slide_from: 0,
             tokens: toks,
         };
-        if !self.observers.is_empty() && self.cfg.enable_block_reuse {
+        if self.cfg.enable_block_reuse && (!self.observers.is_empty() || self.wants_queries()) {
             let keys = self.block_keys(namespace, &seq.tokens, &path);
-            for &(tier, g) in &self.observers.clone() {
-                self.queues[tier as usize][g].observe(&keys, true, &mut self.store);
+            if !self.observers.is_empty() {
+                for &(tier, g) in &self.observers.clone() {
+                    self.queues[tier as usize][g].observe(&keys, true, &mut self.store);
+                }
+                seq.observed = keys.len();
             }
-            seq.observed = keys.len();
+            if self.wants_queries() {
+                self.record_query(&keys);
+            }
         }
         let from_host = if has_host {
             path.iter()
