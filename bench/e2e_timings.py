@@ -17,8 +17,11 @@ chart's ServiceAccount with real agents (``kvpool_dev.stack``), then measures:
     python bench/e2e_timings.py                 # about 7 minutes on the 2-core dev machine
     python bench/e2e_timings.py --repeats 1 --pools 20
     python bench/e2e_timings.py --rolls-only    # only part 3 (keeps the other parts' figures)
+    python bench/e2e_timings.py --rolls-only --agent-mib 16 --handoffs ring-aware off \
+        --out bench/results/e2e_timings_roomy.json   # agents that hold the whole slice
 
-Prints a table and writes ``bench/results/e2e_timings.json`` and ``e2e_timings.png``.
+Prints a table and writes ``bench/results/e2e_timings.json`` and ``e2e_timings.png`` (or
+``--out`` and its ``.png``).
 """
 
 from __future__ import annotations
@@ -51,8 +54,14 @@ CHILDREN = ("statefulset/{n}", "service/{n}", "configmap/{n}-agent-config", "pdb
 SLICE = 300
 
 
-def small_pool(namespace: str, name: str, replicas: int, warm_handoff: bool) -> dict[str, Any]:
-    """The e2e test's small pool: 1 KiB blocks, 8 MiB per agent."""
+AGENT_MIB = 8
+"""The small pool's cache per agent: 8,192 blocks of 1 KiB, short of the slice's 10,592."""
+
+
+def small_pool(
+    namespace: str, name: str, replicas: int, warm_handoff: bool, mib: int = AGENT_MIB
+) -> dict[str, Any]:
+    """The e2e test's small pool: 1 KiB blocks, ``mib`` MiB per agent."""
     return {
         "apiVersion": "kvpool.io/v1alpha1",
         "kind": "KVCachePool",
@@ -67,7 +76,7 @@ def small_pool(namespace: str, name: str, replicas: int, warm_handoff: bool) -> 
                 "dtype": "float16",
             },
             "kvCacheConfig": {"tokensPerBlock": 16, "enablePartialReuse": False},
-            "agent": {"device": "cpu", "cpuBudgetBytes": 8 << 20},
+            "agent": {"device": "cpu", "cpuBudgetBytes": mib << 20},
             "rollout": {
                 "maxUnavailable": 1,
                 "warmHandoff": warm_handoff,
@@ -163,12 +172,14 @@ HANDOFFS = ("ring-aware", "first-peer", "off")
 """The rolls compared: ``lifecycle.ringAware`` on (the default) or off, and no handoff."""
 
 
-def roll(stack: Stack, trace: Trace, handoff: str, rate: float) -> dict[str, Any]:
+def roll(
+    stack: Stack, trace: Trace, handoff: str, rate: float, mib: int = AGENT_MIB
+) -> dict[str, Any]:
     """A restart-field edit under a steady paced load; block hit rates in the round (one pass
     over the slice) before the edit, during the roll, and in the two rounds after it."""
     name = f"roll-{handoff}"
     warm_handoff = handoff != "off"
-    doc = small_pool(stack.namespace, name, 2, warm_handoff)
+    doc = small_pool(stack.namespace, name, 2, warm_handoff, mib)
     if handoff == "first-peer":
         doc["spec"]["agent"]["lifecycle"] = {"ringAware": False}
     apply_docs(stack.cluster, [doc], stack.workdir)
@@ -201,6 +212,7 @@ def roll(stack: Stack, trace: Trace, handoff: str, rate: float) -> dict[str, Any
     return {
         "handoff": handoff,
         "warm_handoff": warm_handoff,
+        "agent_mib": mib,
         "rate": rate,
         "before": load.hit_rate(edited - round_s, edited),
         "during": load.hit_rate(edited, rolled),
@@ -273,6 +285,16 @@ def main() -> int:
         action="store_true",
         help="measure only the rolling restarts (the other figures are kept from the last run)",
     )
+    parser.add_argument(
+        "--handoffs", nargs="+", choices=HANDOFFS, default=list(HANDOFFS), help="rolls to run"
+    )
+    parser.add_argument(
+        "--agent-mib",
+        type=int,
+        default=AGENT_MIB,
+        help="cache per agent in the rolls (16: one agent holds the whole slice)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "e2e_timings.json")
     args = parser.parse_args()
     if args.report is not None:
         report_file(args.report)
@@ -280,7 +302,7 @@ def main() -> int:
     trace = load_trace(story_trace()).head(SLICE)
     RESULTS.mkdir(parents=True, exist_ok=True)
     layout = ensure_built()
-    out = RESULTS / "e2e_timings.json"
+    out: Path = args.out
     results: dict[str, Any] = {"repeats": args.repeats}
     if args.rolls_only:
         results = json.loads(out.read_text()) if out.is_file() else {}
@@ -304,14 +326,15 @@ def main() -> int:
                 if not args.rolls_only:
                     measure_apply(stack, many, args, results)
                 rolls = []
-                for handoff in HANDOFFS:
+                for handoff in args.handoffs:
                     console.log(f"rolling restart, handoff {handoff}")
-                    rolls.append(roll(stack, trace, handoff, args.rate))
+                    rolls.append(roll(stack, trace, handoff, args.rate, args.agent_mib))
                 results["rolls"] = rolls
     report(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    plot(results["rolls"], RESULTS / "e2e_timings.png")
-    console.print(f"wrote {out} and {RESULTS / 'e2e_timings.png'}")
+    plot(results["rolls"], out.with_suffix(".png"))
+    console.print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 
@@ -336,39 +359,50 @@ def measure_apply(
 
 
 def report(results: dict[str, Any]) -> None:
-    table = Table(title="apply -> children / pods Ready / pool Ready (median of runs, s)")
-    for col in ("pool", "runs", "children", "pods Ready", "pool Ready"):
-        table.add_column(col)
-    for pool, runs in results["apply"].items():
+    """The tables of the parts ``results`` holds (a rolls-only run to a new file has no
+    apply figures)."""
+    if "apply" in results:
+        table = Table(title="apply -> children / pods Ready / pool Ready (median of runs, s)")
+        for col in ("pool", "runs", "children", "pods Ready", "pool Ready"):
+            table.add_column(col)
+        for pool, runs in results["apply"].items():
 
-        def med(key: str, runs: list[dict[str, float]] = runs) -> str:
-            return f"{statistics.median(r[key] for r in runs):.2f}"
+            def med(key: str, runs: list[dict[str, float]] = runs) -> str:
+                return f"{statistics.median(r[key] for r in runs):.2f}"
 
-        table.add_row(
-            pool, str(len(runs)), med("children_s"), med("pods_ready_s"), med("pool_ready_s")
+            table.add_row(
+                pool, str(len(runs)), med("children_s"), med("pods_ready_s"), med("pool_ready_s")
+            )
+        console.print(table)
+    if "many" in results:
+        many = results["many"]
+        console.print(
+            f"{many['pools']} pools applied at once: all children after "
+            f"{many['all_children_s']:.1f}s, all reconciled and Ready after "
+            f"{many['all_ready_s']:.1f}s ({many['all_ready_s'] / many['pools']:.2f}s per pool)"
         )
-    console.print(table)
-    many = results["many"]
-    console.print(
-        f"{many['pools']} pools applied at once: all children after {many['all_children_s']:.1f}s, "
-        f"all reconciled and Ready after {many['all_ready_s']:.1f}s "
-        f"({many['all_ready_s'] / many['pools']:.2f}s per pool)"
-    )
-    rate = results["rolls"][0]["rate"]
+    rolls = results.get("rolls") or []
+    if not rolls:
+        return
+    rate = rolls[0]["rate"]
+    mib = rolls[0].get("agent_mib", AGENT_MIB)
     table = Table(
-        title=f"block hit rate around a rolling restart (2 agents, {rate:g} requests/s, "
-        f"a round = {SLICE} requests)"
+        title=f"block hit rate around a rolling restart (2 agents of {mib} MiB, {rate:g} "
+        f"requests/s, a round = {SLICE} requests)"
     )
     cols = ("handoff", "round before", "during", "1st round after", "2nd round after", "roll s")
     for col in (*cols, "failed"):
         table.add_column(col)
-    base = next(r for r in results["rolls"] if not r["warm_handoff"])
-    for r in results["rolls"]:
-        ratio = (r["during"] or 0.0) / max(base["during"] or 0.0, 1e-9)
+    base = next((r for r in rolls if not r["warm_handoff"]), None)
+    for r in rolls:
+        during = _pct(r["during"])
+        if base is not None:
+            ratio = (r["during"] or 0.0) / max(base["during"] or 0.0, 1e-9)
+            during += f" ({ratio:.2f}x baseline)"
         table.add_row(
             _handoff_label(r),
             _pct(r["before"]),
-            f"{_pct(r['during'])} ({ratio:.2f}x baseline)",
+            during,
             _pct(r["first_round_after"]),
             _pct(r["second_round_after"]),
             f"{r['roll_s']:.0f}",
