@@ -355,12 +355,8 @@ class NativeCore:
         return self.sequence(seq_id)
 
     def append(self, seq_id: int, tokens: list[int], now: float) -> SequenceView:
-        packed = pack(tokens)
         try:
-            if isinstance(packed, bytes):
-                self._engine.append(seq_id, packed, None, now)
-            else:
-                self._engine.append(seq_id, None, tokens, now)
+            self._engine.append(seq_id, *_token_args(tokens), now)
         finally:
             self._after()
         return self.sequence(seq_id)
@@ -435,20 +431,13 @@ class NativeCore:
         self._engine.set_curve_queries(not muted)
 
     def query_curve(self, tokens: list[int], namespace: int) -> None:
-        packed = pack(tokens)
         try:
-            if isinstance(packed, bytes):
-                self._engine.query_curves(namespace, packed, None)
-            else:
-                self._engine.query_curves(namespace, None, tokens)
+            self._engine.query_curves(namespace, *_token_args(tokens))
         finally:
             self._after()
 
     def lookup(self, tokens: list[int], namespace: int) -> list[int]:
-        packed = pack(tokens)
-        if isinstance(packed, bytes):
-            return list(self._engine.lookup(namespace, packed, None))
-        return list(self._engine.lookup(namespace, None, tokens))
+        return list(self._engine.lookup(namespace, *_token_args(tokens)))
 
     @property
     def num_nodes(self) -> int:
@@ -495,3 +484,10 @@ class NativeCore:
     def memory_bytes(self) -> int:
         """Heap bytes the engine keeps (records, tokens, queues, ghosts, events)."""
         return int(self._engine.memory_bytes())
+
+
+def _token_args(tokens: list[int]) -> tuple[bytes | None, list[int] | None]:
+    """The engine's ``(packed, tokens_list)`` arguments: the packed bytes when the tokens
+    pack (every one fits 32 bits), else the list."""
+    packed = pack(tokens)
+    return (packed, None) if isinstance(packed, bytes) else (None, tokens)
