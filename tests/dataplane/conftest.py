@@ -157,13 +157,14 @@ class Agent:
 @pytest.fixture(params=["compiled", "python"])
 def data_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test on both byte movers: the compiled ones (``kvpool_native.Receiver`` for a
-    PUT's receive, ``copy_spans`` for the same-node copies) and the Python fallbacks that
-    serve when the compiled core is not installed."""
+    PUT's receive, ``Sender`` for a GET's send, ``copy_spans`` for the same-node copies) and
+    the Python fallbacks that serve when the compiled core is not installed."""
     if request.param == "compiled":
         if server_module.Receiver is None or shm_module._copy_spans is None:
             pytest.skip("the compiled core (kvpool_native) is not installed")
     else:
         monkeypatch.setattr(server_module, "Receiver", None)
+        monkeypatch.setattr(server_module, "Sender", None)
         monkeypatch.setattr(shm_module, "_copy_spans", None)
     return str(request.param)
 

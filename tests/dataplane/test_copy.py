@@ -1,5 +1,6 @@
-"""The compiled byte movers of the data plane (``kvpool_native.copy_spans`` and
-``kvpool_native.Receiver``), against plain Python on the same bytes."""
+"""The compiled byte movers of the data plane (``kvpool_native.copy_spans``,
+``kvpool_native.Receiver`` and ``kvpool_native.Sender``), against plain Python on the same
+bytes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvpool_agent.dataplane import shm as shm_module  # noqa: E402
 
 copy_spans = native.copy_spans
 Receiver = native.Receiver
+Sender = native.Sender
 
 
 def offsets(values: list[int]) -> np.ndarray:
@@ -29,6 +31,7 @@ def offsets(values: list[int]) -> np.ndarray:
 
 def test_the_data_plane_uses_them() -> None:
     assert server_module.Receiver is Receiver
+    assert server_module.Sender is Sender
     assert shm_module._copy_spans is copy_spans
 
 
@@ -155,3 +158,54 @@ def test_receiver_refuses_pieces_outside_its_buffer() -> None:
     with pytest.raises(BufferError, match="read-only"):
         r.add(b"\0" * 100, offsets([0]), 16)
     assert r.total == 0 and r.done
+
+
+def test_sender_sends_a_head_then_pieces_in_order() -> None:
+    tx, rx = pair()
+    tx.setblocking(False)
+    rx.setblocking(True)
+    arena = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+    size = 48 << 10
+    slots = np.random.default_rng(4).permutation(80)[:40].astype(np.int64) * size
+    head = b"head-of-the-reply"
+    s = Sender()
+    s.add(head)
+    s.add(arena, slots, size)
+    s.add(memoryview(b"tail"))
+    assert s.total == len(head) + 40 * size + 4 and s.sent == 0 and not s.done
+    # Nobody reads yet: a send that may not wait returns where the socket buffer is full.
+    first = s.send(tx.fileno())
+    assert 0 < first < s.total and s.sent == first and not s.done
+    got = bytearray()
+    total = s.total  # not read while a send runs: the sender is borrowed then
+
+    def read() -> None:
+        while len(got) < total:
+            got.extend(rx.recv(1 << 20))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while not s.done:
+        s.send(tx.fileno(), 0.1)
+    reader.join()
+    want = head + b"".join(arena[at : at + size].tobytes() for at in slots) + b"tail"
+    assert bytes(got) == want and s.sent == s.total
+    s.close()
+    assert s.total == 0 and s.done
+    tx.close()
+    rx.close()
+
+
+def test_sender_refuses_pieces_outside_its_buffer_and_meets_a_gone_peer() -> None:
+    s = Sender()
+    with pytest.raises(ValueError, match="outside the buffer"):
+        s.add(b"\0" * 100, offsets([0, 90]), 16)
+    with pytest.raises(BufferError, match="int64"):
+        s.add(b"\0" * 100, np.zeros(1, dtype=np.int32), 16)
+    assert s.total == 0 and s.done
+    tx, rx = pair()
+    rx.close()
+    s.add(b"\1" * 64)
+    with pytest.raises(BrokenPipeError):
+        s.send(tx.fileno(), 1.0)
+    tx.close()

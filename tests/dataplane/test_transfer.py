@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import zlib
@@ -587,5 +588,35 @@ def test_a_large_put_from_a_dying_client_leaks_nothing() -> None:
         while agent.service.transfer.connections and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not agent.service.stores and pinned(agent) == 0 and used(agent) == 0
+    finally:
+        agent.close()
+
+
+def test_a_client_dying_mid_get_ends_the_read_and_leaks_nothing() -> None:
+    agent = big_agent()
+    try:
+        with agent.client() as client:
+            keys = keys_for(33, 48)  # 6 MiB: more than the socket buffers hold
+            client.put(NS, keys, random_kv(client, 48, 33))
+            lease = client.lease(NS, keys)
+            assert lease is not None and lease.count == 48
+            raw = Raw(agent.address)
+            raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            raw.auth()
+            raw.request(Op.GET, {"lease": lease.lease_id, "start": 0, "count": 48})
+            raw.recv_exact(64 << 10)  # the head and some data, then the reader dies
+            raw.close()
+            deadline = time.monotonic() + 10
+            while agent.service.transfer.connections > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert agent.service.transfer.connections == 1  # the client's own
+            assert agent.service.transfer.bytes_sent == 0  # the reply never went out whole
+            client.release(lease)  # a read still in progress would keep the blocks pinned
+            assert pinned(agent) == 0
+            out = client.empty_kv(48)  # and the agent still serves
+            again = client.lease(NS, keys)
+            assert again is not None
+            client.get_into(again, out)
+            client.release(again)
     finally:
         agent.close()

@@ -7,10 +7,12 @@ while the next requests (a PUT's bytes, say) come in. Engine work goes through
 and out of pinned blocks happen outside the lock:
 
 - GET: the block ids are looked up, and the lease's read count taken, in the same lock hold as
-  the ownership check; the bytes are then sent straight from the pool memory (``sendmsg`` of
-  memoryviews of each ``view[layer, block]`` slice, which is contiguous) and only when the
-  last byte is in the kernel does the read end. A lease released or expired meanwhile keeps
-  its blocks pinned until then.
+  the ownership check; the bytes are then sent straight from the pool memory (each
+  ``view[layer, block]`` slice is contiguous) and only when the last byte is in the kernel
+  does the read end. A lease released or expired meanwhile keeps its blocks pinned until
+  then. The send is the compiled core's ``kvpool_native.Sender`` (the header and the slices'
+  offsets, ``sendmsg`` of them without the GIL), or, with a checksum to take or without the
+  compiled core, ``sendmsg`` of a memoryview per slice.
 - PUT: ``begin_store`` opens the chain's synthetic sequence under the lock (its new blocks are
   private and pinned: nobody else reads or writes them); the bytes are received straight into
   those blocks; ``finish_store`` commits and releases under the lock again. Bytes of blocks
@@ -91,9 +93,9 @@ from kvpool_agent.server.service import (
 )
 
 try:
-    from kvpool_native import Receiver
-except ImportError:  # the compiled core is optional: the Python receive path then
-    Receiver = None
+    from kvpool_native import Receiver, Sender
+except ImportError:  # the compiled core is optional: the Python receive and send paths then
+    Receiver = Sender = None
 
 log = logging.getLogger("kvpool.agent.transfer")
 
@@ -519,6 +521,20 @@ def _receive_blocking(receiver: Any, fd: int, deadline: float, abort: threading.
             raise ConnectionClosed(str(err)) from None
 
 
+def _send_pieces_blocking(sender: Any, fd: int, deadline: float, abort: threading.Event) -> None:
+    """Send a compiled ``Sender`` from a worker thread, as ``_receive_blocking`` receives."""
+    while not sender.done:
+        if abort.is_set():
+            raise ConnectionClosed("the connection is closing")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        try:
+            sender.send(fd, min(left, POLL_SLICE_S))
+        except OSError as err:
+            raise ConnectionClosed(str(err)) from None
+
+
 def _spans(offsets: np.ndarray, size: int) -> list[tuple[int, int]]:
     """``(offset, length)`` runs of equal-size pieces at ``offsets`` (in order), adjacent
     pieces merged."""
@@ -586,8 +602,9 @@ class _Reply:
 
     head: bytes
     data: list[memoryview] = field(default_factory=list)
-    prepare: Callable[[], Awaitable[tuple[bytes, list[memoryview]]]] | None = None
-    """Builds ``head`` and ``data`` just before sending (GET: checksum, staging)."""
+    prepare: Callable[[], Awaitable[tuple[bytes, list[memoryview] | Any]]] | None = None
+    """Builds ``head`` and ``data`` just before sending (GET: checksum, staging); ``data``
+    may be a compiled ``Sender`` of the head and the data instead."""
     finish: Callable[[], Awaitable[None]] | None = None
     """Runs once the reply is sent, or dropped (a GET ends its read)."""
     fds: list[int] = field(default_factory=list)
@@ -694,6 +711,25 @@ class Connection:
                 raise ConnectionClosed(str(err)) from None
             cursor.advance(n)
         return cursor.total
+
+    async def send_pieces(self, sender: Any) -> int:
+        """Send a compiled ``Sender`` (a reply's head and data) and let go of it: from a worker
+        thread for ``THREAD_BYTES`` or more, else from the loop, waiting for room."""
+        try:
+            if sender.total >= THREAD_BYTES:
+                deadline = time.monotonic() + self.config.body_timeout_s
+                await self._in_thread(_send_pieces_blocking, sender, self.fd, deadline, self._abort)
+                return int(sender.total)
+            while True:
+                try:
+                    sender.send(self.fd)
+                except OSError as err:
+                    raise ConnectionClosed(str(err)) from None
+                if sender.done:
+                    return int(sender.total)
+                await self._wait(write=True)
+        finally:
+            sender.close()
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a worker thread; if this task is cancelled, the thread is told
@@ -856,7 +892,9 @@ class Connection:
                     head, data = item.head, item.data
                     if item.prepare is not None:
                         head, data = await item.prepare()
-                    if item.fds:
+                    if not isinstance(data, list):
+                        sent = await self.send_pieces(data)
+                    elif item.fds:
                         await self._send_fds(head, item.fds)
                         sent = len(head) + await self.send_all(data)
                     else:
@@ -1189,7 +1227,12 @@ class Connection:
         )
         checksum = self.checksums
 
-        async def prepare() -> tuple[bytes, list[memoryview]]:
+        async def prepare() -> tuple[bytes, list[memoryview] | Any]:
+            if server.direct and Sender is not None and not checksum:
+                head = frame(
+                    header.op, header.request_id, {"count": count}, flags=F_RESPONSE, data_len=total
+                )
+                return head, _direct_sender(server, chosen, ids, head)
             if server.direct:
                 data = _direct_buffers(server, chosen, ids)
             else:
@@ -1373,6 +1416,23 @@ def _direct_buffers(
         offsets = m.offsets(layers, ids[m.layout.index])
         out.extend(arena[at : at + n] for at, n in _spans(offsets, m.layout.layer_bytes))
     return out
+
+
+def _direct_sender(
+    server: TransferServer,
+    chosen: list[tuple[_PoolMemory, list[int]]],
+    ids: dict[int, list[int]],
+    head: bytes,
+) -> Any:
+    """A compiled ``Sender`` of ``head`` and then the pool slices of a GET, in wire order."""
+    arena = server.arena
+    assert arena is not None and Sender is not None
+    sender = Sender()
+    sender.add(head)
+    for m, layers in chosen:
+        offsets = m.offsets(layers, ids[m.layout.index])
+        sender.add(arena, offsets.ravel(), m.layout.layer_bytes)
+    return sender
 
 
 def _staged_read(

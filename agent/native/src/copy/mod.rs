@@ -13,7 +13,9 @@
 //!   gets a core costs nothing but its start);
 //! - [`Receiver`]: the pieces a request's data goes to, in wire order (or drained: bytes of
 //!   blocks the cache holds already), filled by `readv` on a non-blocking socket, waiting
-//!   with `poll` for at most a given time (the transfer port's PUT).
+//!   with `poll` for at most a given time (the transfer port's PUT);
+//! - [`Sender`]: the same the other way, the pieces a reply's data comes from, sent by
+//!   `sendmsg` (the transfer port's GET).
 //!
 //! Offsets are checked against the buffers' lengths before any byte moves. The memory is
 //! addressed through raw pointers only: a mapped arena is shared with other processes, which
@@ -225,79 +227,39 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
     std::ptr::copy(src, dst, len);
 }
 
-/// One piece of a receive: `len` bytes for `addr`, or drained when `addr` is `None`.
+/// One piece of a stream: `len` bytes at `addr`, or (receives only) drained when `addr` is
+/// `None`.
 #[derive(Debug, Clone, Copy)]
 struct Piece {
     addr: Option<usize>,
     len: usize,
 }
 
-/// The pieces a stream's next bytes go to, in order, and how far they are filled.
+/// The pieces a stream's bytes come from or go to, in order, and how far it has got: the
+/// cursor [`Receiver`] and [`Sender`] share.
 #[derive(Debug, Default)]
-pub struct Receiver {
+struct Cursor {
     pieces: Vec<Piece>,
     i: usize,
     off: usize,
     total: u64,
-    received: u64,
-    scratch: Vec<u8>,
+    moved: u64,
 }
 
-/// Why a receive stopped short.
-#[derive(Debug)]
-pub enum RecvError {
-    /// The peer closed the connection (end of stream before the last byte).
-    Closed,
-    Io(io::Error),
-}
-
-impl Receiver {
-    pub fn new() -> Receiver {
-        Receiver::default()
-    }
-
-    /// Add `len` bytes to be written at `addr` (after every piece added before).
-    ///
-    /// # Safety
-    ///
-    /// `addr` must be valid for writes of `len` bytes until the receiver is dropped or done.
-    pub unsafe fn push(&mut self, addr: *mut u8, len: usize) {
+impl Cursor {
+    fn push(&mut self, addr: Option<usize>, len: usize) {
         if len > 0 {
-            self.pieces.push(Piece {
-                addr: Some(addr as usize),
-                len,
-            });
+            self.pieces.push(Piece { addr, len });
             self.total += len as u64;
         }
     }
 
-    /// Add `len` bytes to be read and dropped.
-    pub fn drain(&mut self, len: usize) {
-        if len > 0 {
-            self.pieces.push(Piece { addr: None, len });
-            self.total += len as u64;
-            if self.scratch.is_empty() {
-                self.scratch = vec![0; SCRATCH_BYTES];
-            }
-        }
-    }
-
-    /// Every byte of every piece.
-    pub fn total(&self) -> u64 {
-        self.total
-    }
-
-    /// Bytes received so far.
-    pub fn received(&self) -> u64 {
-        self.received
-    }
-
-    pub fn done(&self) -> bool {
+    fn done(&self) -> bool {
         self.i >= self.pieces.len()
     }
 
     fn advance(&mut self, mut n: usize) {
-        self.received += n as u64;
+        self.moved += n as u64;
         while n > 0 {
             let left = self.pieces[self.i].len - self.off;
             if n >= left {
@@ -311,42 +273,18 @@ impl Receiver {
         }
     }
 
-    /// Consume bytes read ahead of the data (with the frame's header); returns how many were
-    /// used (all of `src`, or up to the last piece).
-    pub fn take(&mut self, src: &[u8]) -> usize {
-        let mut used = 0;
-        while used < src.len() && !self.done() {
-            let piece = self.pieces[self.i];
-            let k = (piece.len - self.off).min(src.len() - used);
-            if let Some(addr) = piece.addr {
-                // SAFETY: `push`'s contract: the piece is writable; `k` stays inside it.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.as_ptr().add(used),
-                        (addr as *mut u8).add(self.off),
-                        k,
-                    );
-                }
-            }
-            used += k;
-            self.advance(k);
-        }
-        used
-    }
-
-    /// The buffers of the next `readv`: the pieces from the cursor on, drains mapped onto the
-    /// scratch buffer.
-    fn batch(&mut self, iov: &mut Vec<libc::iovec>) {
+    /// The buffers of the next system call: the pieces from the cursor on, drains mapped onto
+    /// `scratch` (of `SCRATCH_BYTES`; a drain ends the batch where it is longer).
+    fn batch(&self, iov: &mut Vec<libc::iovec>, scratch: *mut u8) {
         iov.clear();
         let mut bytes = 0;
         let mut k = self.i;
-        let scratch = self.scratch.as_mut_ptr();
         while k < self.pieces.len() && iov.len() < IOV_MAX && bytes < BATCH_BYTES {
             let piece = self.pieces[k];
             let start = if k == self.i { self.off } else { 0 };
             let len = piece.len - start;
             let (base, len) = match piece.addr {
-                // SAFETY: inside the piece (`push`'s contract).
+                // SAFETY: inside the piece (the contract of `push` on both ends).
                 Some(addr) => (unsafe { (addr as *mut u8).add(start) }, len),
                 None => (scratch, len.min(SCRATCH_BYTES)),
             };
@@ -362,46 +300,191 @@ impl Receiver {
         }
     }
 
-    /// Receive from the non-blocking socket `fd` until every piece is filled, waiting for it
-    /// to become readable for at most `wait` in all (`Duration::ZERO`: return as soon as it
-    /// would block). Returns the bytes received by this call.
-    pub fn recv(&mut self, fd: i32, wait: Duration) -> Result<usize, RecvError> {
+    /// Move the stream through `fd` with `call` (one `readv` or `sendmsg` of the batch) until
+    /// every piece is done, waiting for `events` for at most `wait` in all (`Duration::ZERO`:
+    /// return as soon as it would block). Returns the bytes moved by this call.
+    fn run(
+        &mut self,
+        fd: i32,
+        events: libc::c_short,
+        wait: Duration,
+        scratch: *mut u8,
+        mut call: impl FnMut(&[libc::iovec]) -> isize,
+    ) -> Result<usize, StreamError> {
         let deadline = Instant::now() + wait;
         let mut got = 0;
         let mut iov = Vec::with_capacity(IOV_MAX);
         while !self.done() {
-            self.batch(&mut iov);
-            // SAFETY: every iovec is inside a writable piece or the scratch buffer.
-            let n = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+            self.batch(&mut iov, scratch);
+            let n = call(&iov);
             if n > 0 {
                 self.advance(n as usize);
                 got += n as usize;
                 continue;
             }
             if n == 0 {
-                return Err(RecvError::Closed);
+                return Err(StreamError::Closed);
             }
             let err = io::Error::last_os_error();
             match err.kind() {
                 io::ErrorKind::Interrupted => continue,
                 io::ErrorKind::WouldBlock => {
                     let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() || !wait_readable(fd, left)? {
+                    if left.is_zero() || !wait_ready(fd, events, left)? {
                         return Ok(got);
                     }
                 }
-                _ => return Err(RecvError::Io(err)),
+                _ => return Err(StreamError::Io(err)),
             }
         }
         Ok(got)
     }
 }
 
-/// Wait up to `left` for `fd` to be readable (or closed, or failed): whether it is.
-fn wait_readable(fd: i32, left: Duration) -> Result<bool, RecvError> {
+/// Why a receive or a send stopped short.
+#[derive(Debug)]
+pub enum StreamError {
+    /// The peer closed the connection (end of stream before the last byte).
+    Closed,
+    Io(io::Error),
+}
+
+/// The pieces a stream's next bytes go to, in order, and how far they are filled.
+#[derive(Debug, Default)]
+pub struct Receiver {
+    cursor: Cursor,
+    scratch: Vec<u8>,
+}
+
+impl Receiver {
+    pub fn new() -> Receiver {
+        Receiver::default()
+    }
+
+    /// Add `len` bytes to be written at `addr` (after every piece added before).
+    ///
+    /// # Safety
+    ///
+    /// `addr` must be valid for writes of `len` bytes until the receiver is dropped or done.
+    pub unsafe fn push(&mut self, addr: *mut u8, len: usize) {
+        self.cursor.push(Some(addr as usize), len);
+    }
+
+    /// Add `len` bytes to be read and dropped.
+    pub fn drain(&mut self, len: usize) {
+        if len > 0 && self.scratch.is_empty() {
+            self.scratch = vec![0; SCRATCH_BYTES];
+        }
+        self.cursor.push(None, len);
+    }
+
+    /// Every byte of every piece.
+    pub fn total(&self) -> u64 {
+        self.cursor.total
+    }
+
+    /// Bytes received so far.
+    pub fn received(&self) -> u64 {
+        self.cursor.moved
+    }
+
+    pub fn done(&self) -> bool {
+        self.cursor.done()
+    }
+
+    /// Consume bytes read ahead of the data (with the frame's header); returns how many were
+    /// used (all of `src`, or up to the last piece).
+    pub fn take(&mut self, src: &[u8]) -> usize {
+        let mut used = 0;
+        while used < src.len() && !self.done() {
+            let piece = self.cursor.pieces[self.cursor.i];
+            let k = (piece.len - self.cursor.off).min(src.len() - used);
+            if let Some(addr) = piece.addr {
+                // SAFETY: `push`'s contract: the piece is writable; `k` stays inside it.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr().add(used),
+                        (addr as *mut u8).add(self.cursor.off),
+                        k,
+                    );
+                }
+            }
+            used += k;
+            self.cursor.advance(k);
+        }
+        used
+    }
+
+    /// Receive from the non-blocking socket `fd` until every piece is filled, waiting for it
+    /// to become readable for at most `wait` in all (`Duration::ZERO`: return as soon as it
+    /// would block). Returns the bytes received by this call.
+    pub fn recv(&mut self, fd: i32, wait: Duration) -> Result<usize, StreamError> {
+        let scratch = self.scratch.as_mut_ptr();
+        self.cursor.run(fd, libc::POLLIN, wait, scratch, |iov| {
+            // SAFETY: every iovec is inside a writable piece or the scratch buffer.
+            unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) }
+        })
+    }
+}
+
+/// The pieces a stream's next bytes come from, in order (a GET's reply: its header, then the
+/// blocks' pieces where they lie in the arena), and how far they are sent.
+#[derive(Debug, Default)]
+pub struct Sender {
+    cursor: Cursor,
+}
+
+impl Sender {
+    pub fn new() -> Sender {
+        Sender::default()
+    }
+
+    /// Add `len` bytes at `addr` to send (after every piece added before).
+    ///
+    /// # Safety
+    ///
+    /// `addr` must be valid for reads of `len` bytes until the sender is dropped or done.
+    pub unsafe fn push(&mut self, addr: *const u8, len: usize) {
+        self.cursor.push(Some(addr as usize), len);
+    }
+
+    /// Every byte of every piece.
+    pub fn total(&self) -> u64 {
+        self.cursor.total
+    }
+
+    /// Bytes sent so far.
+    pub fn sent(&self) -> u64 {
+        self.cursor.moved
+    }
+
+    pub fn done(&self) -> bool {
+        self.cursor.done()
+    }
+
+    /// Send on the non-blocking socket `fd` until every piece is sent, waiting for it to
+    /// become writable for at most `wait` in all (`Duration::ZERO`: return as soon as it would
+    /// block). Returns the bytes sent by this call. A peer that went away is an error
+    /// (`EPIPE`, never a signal: `MSG_NOSIGNAL`).
+    pub fn send(&mut self, fd: i32, wait: Duration) -> Result<usize, StreamError> {
+        self.cursor
+            .run(fd, libc::POLLOUT, wait, std::ptr::null_mut(), |iov| {
+                // SAFETY: a zeroed msghdr is valid; every iovec is inside a readable piece.
+                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+                msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+                msg.msg_iovlen = iov.len() as _;
+                // A batch is never empty, so 0 never comes back (`run` would read it as
+                // the peer gone).
+                unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) }
+            })
+    }
+}
+
+/// Wait up to `left` for `fd` to have `events` (or be closed, or failed): whether it has.
+fn wait_ready(fd: i32, events: libc::c_short, left: Duration) -> Result<bool, StreamError> {
     let mut pfd = libc::pollfd {
         fd,
-        events: libc::POLLIN,
+        events,
         revents: 0,
     };
     let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
@@ -410,9 +493,9 @@ fn wait_readable(fd: i32, left: Duration) -> Result<bool, RecvError> {
     if r < 0 {
         let err = io::Error::last_os_error();
         if err.kind() == io::ErrorKind::Interrupted {
-            return Ok(true); // try again: the next readv says what is there
+            return Ok(true); // try again: the next call says what is there
         }
-        return Err(RecvError::Io(err));
+        return Err(StreamError::Io(err));
     }
     Ok(r > 0)
 }
@@ -557,8 +640,49 @@ mod tests {
         drop(tx);
         assert!(matches!(
             r.recv(rx.as_raw_fd(), Duration::from_millis(20)),
-            Err(RecvError::Closed)
+            Err(StreamError::Closed)
         ));
         assert_eq!(r.received(), 3);
+    }
+
+    #[test]
+    fn sends_pieces_in_order_and_meets_a_gone_peer() {
+        let (tx, mut rx) = UnixStream::pair().unwrap();
+        tx.set_nonblocking(true).unwrap();
+        let data = pattern(3 * SCRATCH_BYTES, 4);
+        let head = [7u8; 5];
+        let mut s = Sender::new();
+        unsafe {
+            s.push(head.as_ptr(), head.len());
+            s.push(data.as_ptr().add(2 * SCRATCH_BYTES), SCRATCH_BYTES);
+            s.push(data.as_ptr(), 0); // an empty piece is no piece
+            s.push(data.as_ptr().add(10), 2 * SCRATCH_BYTES - 10);
+        }
+        assert_eq!(s.total(), (head.len() + 3 * SCRATCH_BYTES - 10) as u64);
+        // Nobody reads yet: a send that may not wait stops where the socket is full.
+        let first = s.send(tx.as_raw_fd(), Duration::ZERO).unwrap();
+        assert!(first > 0 && !s.done());
+        let total = s.total() as usize;
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; total];
+            std::io::Read::read_exact(&mut rx, &mut got).unwrap();
+            (got, rx)
+        });
+        while !s.done() {
+            s.send(tx.as_raw_fd(), Duration::from_millis(100)).unwrap();
+        }
+        assert_eq!(s.sent(), s.total());
+        let (got, rx) = reader.join().unwrap();
+        let mut want = head.to_vec();
+        want.extend_from_slice(&data[2 * SCRATCH_BYTES..]);
+        want.extend_from_slice(&data[10..2 * SCRATCH_BYTES]);
+        assert!(got == want);
+        drop(rx);
+        let mut s = Sender::new();
+        unsafe { s.push(data.as_ptr(), 64) };
+        match s.send(tx.as_raw_fd(), Duration::from_millis(20)) {
+            Err(StreamError::Io(err)) => assert_eq!(err.kind(), io::ErrorKind::BrokenPipe),
+            other => panic!("a send to a closed peer gave {other:?}"),
+        }
     }
 }

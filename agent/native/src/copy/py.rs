@@ -1,6 +1,6 @@
-//! `kvpool_native.copy_spans` and `kvpool_native.Receiver`: the data plane's byte movers for
-//! `kvpool_agent/dataplane` (`shm.py`'s copies into and out of a mapped arena, `server.py`'s
-//! PUT receives).
+//! `kvpool_native.copy_spans`, `kvpool_native.Receiver` and `kvpool_native.Sender`: the data
+//! plane's byte movers for `kvpool_agent/dataplane` (`shm.py`'s copies into and out of a
+//! mapped arena, `server.py`'s PUT receives and GET sends).
 //!
 //! Buffers are any object with the buffer protocol, C-contiguous (an `mmap`, a `memoryview`,
 //! a numpy array, a `bytearray`); a destination must be writable. Offsets are packed arrays of
@@ -13,11 +13,12 @@ use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::{PyBufferError, PyConnectionError, PyValueError};
 use pyo3::prelude::*;
 
-use super::{copy_spans as copy, Receiver, RecvError, Side};
+use super::{copy_spans as copy, Receiver, Sender, Side, StreamError};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(copy_spans, m)?)?;
     m.add_class::<PyReceiver>()?;
+    m.add_class::<PySender>()?;
     Ok(())
 }
 
@@ -163,16 +164,101 @@ impl PyReceiver {
     fn recv(&mut self, py: Python<'_>, fd: i32, wait_s: f64) -> PyResult<usize> {
         let wait = Duration::try_from_secs_f64(wait_s.max(0.0)).unwrap_or(Duration::MAX);
         let inner = &mut self.inner;
-        match py.detach(|| inner.recv(fd, wait)) {
-            Ok(n) => Ok(n),
-            Err(RecvError::Closed) => Err(PyConnectionError::new_err("peer closed the connection")),
-            Err(RecvError::Io(err)) => Err(err.into()),
-        }
+        stream_result(py.detach(|| inner.recv(fd, wait)))
     }
 
     /// Let go of the buffers (the receiver takes no more bytes).
     fn close(&mut self) {
         self.inner = Receiver::new();
+        self.buffers.clear();
+    }
+}
+
+/// A receive's or a send's outcome in Python's terms.
+fn stream_result(result: Result<usize, StreamError>) -> PyResult<usize> {
+    match result {
+        Ok(n) => Ok(n),
+        Err(StreamError::Closed) => Err(PyConnectionError::new_err("peer closed the connection")),
+        Err(StreamError::Io(err)) => Err(err.into()),
+    }
+}
+
+/// Where the next bytes of a stream come from: pieces of buffers (`add`), in order; `send`
+/// sends them on a non-blocking socket.
+#[pyclass(name = "Sender", module = "kvpool_native")]
+struct PySender {
+    inner: Sender,
+    /// The buffers the pieces are in, exported until the sender goes.
+    buffers: Vec<PyUntypedBuffer>,
+}
+
+#[pymethods]
+impl PySender {
+    #[new]
+    fn new() -> Self {
+        PySender {
+            inner: Sender::new(),
+            buffers: Vec::new(),
+        }
+    }
+
+    /// Add the pieces of `size` bytes at `offsets` (int64) of `buffer`, in order; the whole
+    /// buffer, as one piece, without `offsets`.
+    #[pyo3(signature = (buffer_obj, offsets_obj = None, size = 0))]
+    fn add(
+        &mut self,
+        py: Python<'_>,
+        buffer_obj: &Bound<'_, PyAny>,
+        offsets_obj: Option<&Bound<'_, PyAny>>,
+        size: usize,
+    ) -> PyResult<()> {
+        let buf = buffer(buffer_obj, "buffer", false)?;
+        let (at, size) = match offsets_obj {
+            Some(obj) => (offsets(py, obj, "offsets")?, size),
+            None => (vec![0], buf.len_bytes()),
+        };
+        super::check_pieces("offsets", buf.len_bytes(), &at, size)
+            .map_err(PyValueError::new_err)?;
+        let base = buf.buf_ptr() as *const u8;
+        for &off in &at {
+            // SAFETY: checked inside the buffer, which stays exported while the sender is.
+            unsafe { self.inner.push(base.add(off as usize), size) };
+        }
+        self.buffers.push(buf);
+        Ok(())
+    }
+
+    /// Bytes of every piece.
+    #[getter]
+    fn total(&self) -> u64 {
+        self.inner.total()
+    }
+
+    /// Bytes sent so far.
+    #[getter]
+    fn sent(&self) -> u64 {
+        self.inner.sent()
+    }
+
+    /// Every piece is sent.
+    #[getter]
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    /// Send on the non-blocking socket `fd` until every piece is sent, waiting up to `wait_s`
+    /// seconds in all for it to be writable (0: return when it would block). Returns the
+    /// bytes sent; OSError when the socket failed (BrokenPipeError: the peer went away).
+    #[pyo3(signature = (fd, wait_s = 0.0))]
+    fn send(&mut self, py: Python<'_>, fd: i32, wait_s: f64) -> PyResult<usize> {
+        let wait = Duration::try_from_secs_f64(wait_s.max(0.0)).unwrap_or(Duration::MAX);
+        let inner = &mut self.inner;
+        stream_result(py.detach(|| inner.send(fd, wait)))
+    }
+
+    /// Let go of the buffers (the sender sends no more bytes).
+    fn close(&mut self) {
+        self.inner = Sender::new();
         self.buffers.clear();
     }
 }
