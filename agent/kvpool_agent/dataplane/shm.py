@@ -416,11 +416,14 @@ class ShmClient:
     def _gather(self, pool: int, layers: list[int], ids: np.ndarray, target: torch.Tensor) -> None:
         """Blocks ``ids`` of the mapping, in ``layers``, into ``target`` (``[layers, blocks,
         ...]``): one ``copy_spans`` of a piece per layer per block, through a host tensor when
-        ``target`` is not a contiguous CPU one."""
+        ``target`` is not a contiguous CPU one. The pieces are copied block by block, the
+        order in which they lie in the mapping: reading each block's layers in a row is about
+        a fifth faster than reading a layer's pieces across blocks (``bench/transfer.py``)."""
         assert _copy_spans is not None and self._mapping is not None
         place = self._placements[pool]
-        at = place.offsets(layers, ids.astype(np.int64))
-        to = _contiguous(len(ids), place.piece, len(layers))
+        rows = len(layers)
+        at = place.offsets(layers, ids.astype(np.int64)).reshape(rows, -1).T.ravel()
+        to = _contiguous(len(ids), place.piece, rows).reshape(rows, -1).T.ravel()
         direct = target.device.type == "cpu" and target.is_contiguous()
         host = target if direct else torch.empty(target.shape, dtype=target.dtype)
         _copy_spans(_host_bytes(host), to, self._mapping, at, place.piece, self.copy_threads)
