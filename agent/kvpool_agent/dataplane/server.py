@@ -505,32 +505,25 @@ def _recv_blocking(
         cursor.advance(n, batch)
 
 
-def _receive_blocking(receiver: Any, fd: int, deadline: float, abort: threading.Event) -> None:
-    """Fill a compiled ``Receiver`` from a worker thread: it waits for the socket itself
-    (without the GIL), coming back every ``POLL_SLICE_S`` to see that the connection is still
-    open and the deadline not past."""
-    while not receiver.done:
+def _pump_blocking(
+    move: Callable[[int, float], int],
+    stream: Any,
+    fd: int,
+    deadline: float,
+    abort: threading.Event,
+) -> None:
+    """Run a compiled ``Receiver``'s ``recv`` or ``Sender``'s ``send`` (``move``) from a worker
+    thread until ``stream`` is done: it waits for the socket itself (without the GIL), coming
+    back every ``POLL_SLICE_S`` to see that the connection is still open and the deadline not
+    past."""
+    while not stream.done:
         if abort.is_set():
             raise ConnectionClosed("the connection is closing")
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
         try:
-            receiver.recv(fd, min(left, POLL_SLICE_S))
-        except OSError as err:
-            raise ConnectionClosed(str(err)) from None
-
-
-def _send_pieces_blocking(sender: Any, fd: int, deadline: float, abort: threading.Event) -> None:
-    """Send a compiled ``Sender`` from a worker thread, as ``_receive_blocking`` receives."""
-    while not sender.done:
-        if abort.is_set():
-            raise ConnectionClosed("the connection is closing")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        try:
-            sender.send(fd, min(left, POLL_SLICE_S))
+            move(fd, min(left, POLL_SLICE_S))
         except OSError as err:
             raise ConnectionClosed(str(err)) from None
 
@@ -718,7 +711,9 @@ class Connection:
         try:
             if sender.total >= THREAD_BYTES:
                 deadline = time.monotonic() + self.config.body_timeout_s
-                await self._in_thread(_send_pieces_blocking, sender, self.fd, deadline, self._abort)
+                await self._in_thread(
+                    _pump_blocking, sender.send, sender, self.fd, deadline, self._abort
+                )
                 return int(sender.total)
             while True:
                 try:
@@ -794,7 +789,9 @@ class Connection:
             return
         if receiver.total - receiver.received >= THREAD_BYTES:
             deadline = time.monotonic() + self.config.body_timeout_s
-            await self._in_thread(_receive_blocking, receiver, self.fd, deadline, self._abort)
+            await self._in_thread(
+                _pump_blocking, receiver.recv, receiver, self.fd, deadline, self._abort
+            )
             return
         while True:
             try:

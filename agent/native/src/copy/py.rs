@@ -50,6 +50,24 @@ fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i
     buf.to_vec(py)
 }
 
+/// The buffer of a receiver's or sender's `add`, and its pieces' offsets and size, checked
+/// inside it (without `offsets`: the whole buffer as one piece).
+fn pieces(
+    py: Python<'_>,
+    buffer_obj: &Bound<'_, PyAny>,
+    offsets_obj: Option<&Bound<'_, PyAny>>,
+    size: usize,
+    write: bool,
+) -> PyResult<(PyUntypedBuffer, Vec<i64>, usize)> {
+    let buf = buffer(buffer_obj, "buffer", write)?;
+    let (at, size) = match offsets_obj {
+        Some(obj) => (offsets(py, obj, "offsets")?, size),
+        None => (vec![0], buf.len_bytes()),
+    };
+    super::check_pieces("offsets", buf.len_bytes(), &at, size).map_err(PyValueError::new_err)?;
+    Ok((buf, at, size))
+}
+
 /// Copy `size` bytes from `src` at `src_offsets[i]` to `dst` at `dst_offsets[i]`, for each
 /// `i`, with up to `threads` threads when there are 4 MiB or more (ValueError, and nothing
 /// copied, when a piece is outside its buffer).
@@ -110,10 +128,7 @@ impl PyReceiver {
         offsets_obj: &Bound<'_, PyAny>,
         size: usize,
     ) -> PyResult<()> {
-        let buf = buffer(buffer_obj, "buffer", true)?;
-        let at = offsets(py, offsets_obj, "offsets")?;
-        super::check_pieces("offsets", buf.len_bytes(), &at, size)
-            .map_err(PyValueError::new_err)?;
+        let (buf, at, size) = pieces(py, buffer_obj, Some(offsets_obj), size, true)?;
         let base = buf.buf_ptr() as *mut u8;
         for &off in &at {
             // SAFETY: checked inside the buffer, which stays exported while the receiver is.
@@ -212,13 +227,7 @@ impl PySender {
         offsets_obj: Option<&Bound<'_, PyAny>>,
         size: usize,
     ) -> PyResult<()> {
-        let buf = buffer(buffer_obj, "buffer", false)?;
-        let (at, size) = match offsets_obj {
-            Some(obj) => (offsets(py, obj, "offsets")?, size),
-            None => (vec![0], buf.len_bytes()),
-        };
-        super::check_pieces("offsets", buf.len_bytes(), &at, size)
-            .map_err(PyValueError::new_err)?;
+        let (buf, at, size) = pieces(py, buffer_obj, offsets_obj, size, false)?;
         let base = buf.buf_ptr() as *const u8;
         for &off in &at {
             // SAFETY: checked inside the buffer, which stays exported while the sender is.
