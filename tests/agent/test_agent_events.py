@@ -57,22 +57,34 @@ async def test_wire_encoding_follows_vllm_and_moves_blocks_between_mediums() -> 
         stored(12, 11, [5, 6, 7, 8], "GPU")
     ]
     assert enc.encode(BlockUpdated(11, "primary", 80)) == []  # priority only
-    # Offloaded: the GPU copy is gone, a CPU copy exists.
-    assert enc.encode(BlockUpdated(11, "secondary", 80)) == [
+    # Offloaded: the GPU copy is gone, a CPU copy exists (the move brings the tokens: the
+    # encoder keeps none).
+    assert enc.encode(BlockUpdated(11, "secondary", 80, (1, 2, 3, 4))) == [
         removed(11, "GPU"),
         stored(11, None, [1, 2, 3, 4], "CPU"),
     ]
     # Onboarded back: the reverse.
-    assert enc.encode(BlockUpdated(11, "primary", 80)) == [
+    assert enc.encode(BlockUpdated(11, "primary", 80, (1, 2, 3, 4))) == [
         removed(11, "CPU"),
         stored(11, None, [1, 2, 3, 4], "GPU"),
     ]
-    assert enc.encode(BlockUpdated(12, "secondary", 35))[1] == stored(12, 11, [5, 6, 7, 8], "CPU")
+    moved = BlockUpdated(12, "secondary", 35, (5, 6, 7, 8))
+    assert enc.encode(moved)[1] == stored(12, 11, [5, 6, 7, 8], "CPU")
     # The reason stays off the wire (vLLM has no field for it) and is counted.
     assert enc.encode(BlockRemoved(12, "secondary", "evicted")) == [removed(12, "CPU")]
     assert enc.encode(BlockRemoved(11, "primary", "replaced")) == [removed(11, "GPU")]
     assert enc.removed == {"evicted": 1, "replaced": 1}
     assert enc.encode(BlockUpdated(11, "secondary", 35)) == []  # no longer known
+
+
+async def test_a_move_without_its_tokens_withdraws_the_block() -> None:
+    """A move that does not bring the tokens cannot be stored again under the new medium:
+    the old copy is withdrawn and the block forgotten (a consumer misses it, never routes to
+    a copy that is gone)."""
+    enc = WireEncoder(block_size=4, primary_medium="GPU")
+    enc.encode(BlockStored(11, None, (1, 2, 3, 4), "primary", 35))
+    assert enc.encode(BlockUpdated(11, "secondary", 35)) == [removed(11, "GPU")]
+    assert enc.encode(BlockUpdated(11, "primary", 35, (1, 2, 3, 4))) == []  # no longer known
 
 
 async def test_a_cpu_agents_tier_moves_publish_nothing() -> None:

@@ -4,11 +4,14 @@ engine events give the same published bytes, batch after batch, and the same cou
 from __future__ import annotations
 
 import random
+import tracemalloc
+from collections.abc import Iterator
 
 import msgpack
 import pytest
 
 from kvpool_agent.cache import KVCacheManager
+from kvpool_agent.cache.events import BlockStored
 from kvpool_agent.cache.sizing import build_pools
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
 from kvpool_agent.server.events import NativeWireEncoder, WireEncoder, make_encoder
@@ -101,3 +104,31 @@ def test_name_chain_refuses_tokens_that_are_not_whole_blocks() -> None:
     for enc in (WireEncoder(TPB, "CPU"), NativeWireEncoder(TPB, "CPU")):
         with pytest.raises(ValueError, match="name_chain: 5 tokens for 1 keys"):
             enc.name_chain(list(range(5)), [b"k"])
+
+
+def test_a_live_block_costs_the_encoders_the_same_whatever_its_tokens() -> None:
+    """The encoders remember each live block's hashes and medium, not its tokens (a tier move
+    brings them): with 512-token blocks, each used to hold 2 to 4 KiB more per block than
+    the engine's own records of it."""
+    blocks, tpb = 2000, 512
+
+    def events() -> Iterator[BlockStored]:  # made one at a time: none outlives its encoding
+        for k in range(blocks):
+            tokens = tuple(range(70_000 + k, 70_000 + k + tpb))  # ints Python does not share
+            yield BlockStored(k + 1, k or None, tokens, "primary", 35)
+
+    native = NativeWireEncoder(tpb, "GPU")
+    for event in events():
+        native.encode_batch([event], 1.0, 0)
+    assert native._inner.live_blocks == blocks
+    assert native._inner.memory_bytes() / blocks < 128
+    python = WireEncoder(tpb, "GPU")
+    tracemalloc.start()
+    try:
+        for event in events():
+            python.encode(event)
+        del event
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held / blocks < 512

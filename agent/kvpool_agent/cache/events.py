@@ -28,6 +28,10 @@ class BlockUpdated:
     key: int
     tier: str
     priority: int
+    token_ids: tuple[int, ...] | None = None
+    """The block's tokens when it changed tier (a consumer that files blocks by medium
+    stores it again under the new one, tokens included), None for a priority change: the
+    publisher then keeps no block's tokens."""
 
 
 @dataclass(frozen=True, slots=True)

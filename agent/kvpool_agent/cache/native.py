@@ -134,7 +134,8 @@ def _event(raw: tuple[Any, ...]) -> KVEvent:
         _, key, parent, tokens, tier, priority = raw
         return BlockStored(key, parent, tokens, TIER_NAMES[tier], priority)
     if kind == "updated":
-        return BlockUpdated(raw[1], TIER_NAMES[raw[2]], raw[3])
+        _, key, tier, priority, tokens = raw
+        return BlockUpdated(key, TIER_NAMES[tier], priority, tokens)
     if kind == "removed":
         return BlockRemoved(raw[1], TIER_NAMES[raw[2]], raw[3])
     return AllBlocksCleared()

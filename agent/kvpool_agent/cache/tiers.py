@@ -159,7 +159,9 @@ class Tiers:
         if enqueue and new.ref_count == 0 and tree.evictable(new):
             tree.queues[new.tier][g].push(new, now)
         if g == full or full is None:
-            tree.events.push(BlockUpdated(node.key, TIER_NAMES[new.tier], node.priority))
+            tree.events.push(
+                BlockUpdated(node.key, TIER_NAMES[new.tier], node.priority, node.tokens)
+            )
 
     def onboard_path(
         self, path: list[TreeNode], need_from: list[int], fresh_ids: list[list[int]], now: float

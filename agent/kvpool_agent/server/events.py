@@ -123,11 +123,14 @@ def resolve_topic(
     return template.replace("{pod}", pod).replace("{model}", model or "")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Known:
+    """What a later event of a live block needs: not its tokens, which a tier move carries
+    (a block's tokens kept here for every live block took more memory than the engine's
+    own records of it)."""
+
     parent: int | None
     """The parent's hash on the wire."""
-    tokens: list[int]
     medium: str
     wire: int
     """This block's hash on the wire: the engine's own for a block stored by engine key."""
@@ -194,17 +197,21 @@ class WireEncoder:
             parent = event.parent_key
             if parent is not None and (up := self._known.get(parent)) is not None:
                 parent = up.wire
-            self._known[event.key] = _Known(parent, tokens, medium, wire)
+            self._known[event.key] = _Known(parent, medium, wire)
             return [self._stored(wire, parent, tokens, medium)]
         if isinstance(event, BlockUpdated):
             known = self._known.get(event.key)
             medium = self.mediums[event.tier]
             if known is None or known.medium == medium:
                 return []  # a priority change, or a move a consumer cannot see
-            left, known.medium = known.medium, medium
+            left = known.medium
+            if event.token_ids is None:  # a move without its tokens: only the copy that went
+                del self._known[event.key]
+                return [self._removed(known.wire, left)]
+            known.medium = medium
             return [
                 self._removed(known.wire, left),
-                self._stored(known.wire, known.parent, known.tokens, medium),
+                self._stored(known.wire, known.parent, list(event.token_ids), medium),
             ]
         if isinstance(event, BlockRemoved):
             gone = self._known.pop(event.key, None)

@@ -36,10 +36,13 @@ pub enum Event {
         tier: u8,
         priority: u8,
     },
+    /// A change of tier (with the block's tokens, which a consumer storing it again under
+    /// the new medium needs) or of priority (without).
     Updated {
         key: i64,
         tier: u8,
         priority: u8,
+        tokens: Option<Box<[u64]>>,
     },
     Removed {
         key: i64,
@@ -107,7 +110,11 @@ impl EventLog {
                 .queue
                 .iter()
                 .map(|e| match e {
-                    Event::Stored { tokens, .. } => tokens.len() * 8,
+                    Event::Stored { tokens, .. }
+                    | Event::Updated {
+                        tokens: Some(tokens),
+                        ..
+                    } => tokens.len() * 8,
                     _ => 0,
                 })
                 .sum::<usize>()

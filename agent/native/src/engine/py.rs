@@ -436,9 +436,16 @@ impl PyEngine {
                     key,
                     tier,
                     priority,
-                } => ("updated", key, tier, priority)
-                    .into_pyobject(py)?
-                    .into_any(),
+                    tokens,
+                } => {
+                    let tokens = match tokens {
+                        Some(t) => Some(PyTuple::new(py, t.iter())?),
+                        None => None,
+                    };
+                    ("updated", key, tier, priority, tokens)
+                        .into_pyobject(py)?
+                        .into_any()
+                }
                 Event::Removed { key, tier, reason } => ("removed", key, tier, reason.name())
                     .into_pyobject(py)?
                     .into_any(),

@@ -243,13 +243,14 @@ impl Engine {
         if enqueue && refs == 0 && self.evictable(new) {
             self.queues[new_tier as usize][g].push(new, now, &mut self.store);
         }
-        if Some(g) == self.full || self.full.is_none() {
+        if (Some(g) == self.full || self.full.is_none()) && self.events.enabled() {
             let rec = &self.store.nodes[node as usize];
             let (key, priority) = (rec.key, rec.priority);
             self.events.push(super::log::Event::Updated {
                 key,
                 tier: new_tier,
                 priority,
+                tokens: Some(self.store.node_tokens(node).to_vec().into()),
             });
         }
     }

@@ -366,6 +366,7 @@ impl Engine {
                     key,
                     tier,
                     priority,
+                    tokens: None,
                 });
             }
         }

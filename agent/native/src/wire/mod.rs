@@ -23,14 +23,70 @@ pub const MAX_PENDING_NAMES: usize = 100_000;
 /// A block hash on the wire: an engine key (i64) or an engine-key name (u64), as Python ints.
 pub type Wire = i128;
 
-/// `_Known`: what a later event of a live block needs.
-#[derive(Debug, Clone)]
+/// `_Known`: what a later event of a live block needs (24 bytes). Not its tokens: a tier
+/// move carries them. Keeping every live block's tokens here took more memory than the
+/// engine's own records of the block (256 B a block of 16 tokens, 4 KiB one of 512).
+#[derive(Debug, Clone, Copy)]
 struct Known {
-    parent: Option<Wire>,
-    tokens: Box<[u64]>,
+    wire: u64,
+    parent: u64,
+    /// [`WIRE_SIGNED`], [`HAS_PARENT`], [`PARENT_SIGNED`].
+    flags: u8,
     /// Index into `WireEncoder::mediums`.
     medium: u8,
-    wire: Wire,
+}
+
+/// `Known::wire` holds an engine key (an i64) rather than a name (a u64).
+const WIRE_SIGNED: u8 = 1;
+const HAS_PARENT: u8 = 2;
+/// `Known::parent` holds an engine key.
+const PARENT_SIGNED: u8 = 4;
+
+/// A wire hash (in `[-2**63, 2**64)`: an engine key or a name) as 64 bits and whether they
+/// are signed.
+fn split(wire: Wire) -> (u64, bool) {
+    if wire < 0 {
+        (wire as i64 as u64, true)
+    } else {
+        (wire as u64, false)
+    }
+}
+
+fn join(bits: u64, signed: bool) -> Wire {
+    if signed {
+        bits as i64 as Wire
+    } else {
+        bits as Wire
+    }
+}
+
+impl Known {
+    fn new(wire: Wire, parent: Option<Wire>, medium: u8) -> Self {
+        let (wire, signed) = split(wire);
+        let mut flags = if signed { WIRE_SIGNED } else { 0 };
+        let parent = match parent {
+            Some(p) => {
+                let (bits, signed) = split(p);
+                flags |= HAS_PARENT | if signed { PARENT_SIGNED } else { 0 };
+                bits
+            }
+            None => 0,
+        };
+        Known {
+            wire,
+            parent,
+            flags,
+            medium,
+        }
+    }
+
+    fn wire(&self) -> Wire {
+        join(self.wire, self.flags & WIRE_SIGNED != 0)
+    }
+
+    fn parent(&self) -> Option<Wire> {
+        (self.flags & HAS_PARENT != 0).then(|| join(self.parent, self.flags & PARENT_SIGNED != 0))
+    }
 }
 
 /// Engine-key names by their block's tokens, oldest first (`dict` insertion order: a name
@@ -176,22 +232,16 @@ impl WireEncoder {
                     *key as Wire
                 };
                 let parent = parent.map(|p| match self.known.get(&p) {
-                    Some(up) => up.wire,
+                    Some(up) => up.wire(),
                     None => p as Wire,
                 });
                 self.stored(out, wire, parent, tokens, medium);
-                self.known.insert(
-                    *key,
-                    Known {
-                        parent,
-                        tokens: tokens.clone(),
-                        medium,
-                        wire,
-                    },
-                );
+                self.known.insert(*key, Known::new(wire, parent, medium));
                 1
             }
-            Event::Updated { key, tier, .. } => {
+            Event::Updated {
+                key, tier, tokens, ..
+            } => {
                 let medium = self.medium(*tier);
                 let Some(known) = self.known.get_mut(key) else {
                     return 0;
@@ -200,16 +250,23 @@ impl WireEncoder {
                     return 0; // a priority change, or a move a consumer cannot see
                 }
                 let left = known.medium;
+                let Some(tokens) = tokens else {
+                    // A move without its tokens: only the copy that went.
+                    let wire = known.wire();
+                    self.known.remove(key);
+                    self.removed_event(out, wire, left);
+                    return 1;
+                };
                 known.medium = medium;
-                let (wire, parent, tokens) = (known.wire, known.parent, known.tokens.clone());
+                let (wire, parent) = (known.wire(), known.parent());
                 self.removed_event(out, wire, left);
-                self.stored(out, wire, parent, &tokens, medium);
+                self.stored(out, wire, parent, tokens, medium);
                 2
             }
             Event::Removed { key, tier, reason } => {
                 self.removed[reason_index(*reason)] += 1;
                 match self.known.remove(key) {
-                    Some(gone) => self.removed_event(out, gone.wire, gone.medium),
+                    Some(gone) => self.removed_event(out, gone.wire(), gone.medium),
                     None => {
                         let medium = self.medium(*tier);
                         self.removed_event(out, *key as Wire, medium)
@@ -299,10 +356,7 @@ impl WireEncoder {
 
     /// Heap bytes the encoder's state takes (the live blocks' names and tokens, the names).
     pub fn memory_bytes(&self) -> usize {
-        let known: usize = self.known.values().map(|k| k.tokens.len() * 8).sum();
-        self.known.capacity() * (8 + std::mem::size_of::<Known>() + 1)
-            + known
-            + self.names.memory_bytes()
+        self.known.capacity() * (8 + std::mem::size_of::<Known>() + 1) + self.names.memory_bytes()
     }
 }
 

@@ -56,6 +56,10 @@ fn event_of(obj: &Bound<'_, PyAny>) -> PyResult<Event> {
             key: obj.getattr("key")?.extract()?,
             tier: tier_of(&obj.getattr("tier")?.extract::<String>()?)?,
             priority: obj.getattr("priority")?.extract()?,
+            tokens: obj
+                .getattr("token_ids")?
+                .extract::<Option<Vec<u64>>>()?
+                .map(Vec::into_boxed_slice),
         },
         "BlockRemoved" => Event::Removed {
             key: obj.getattr("key")?.extract()?,

@@ -42,15 +42,20 @@ fn a_named_block_goes_out_under_its_name_and_its_child_names_it_as_parent() {
     assert_eq!(enc.pending_names(), 0);
     let name = wire_hash(&[0xab; 40]);
     assert_eq!(name, u64::from_be_bytes([0xab; 8]) as i128);
-    assert_eq!(enc.known[&-7].wire, name);
-    assert_eq!(enc.known[&9].parent, Some(name));
-    // A move to the host tier is a removal and a store on the wire; a priority change is none.
+    assert_eq!(enc.known[&-7].wire(), name);
+    assert_eq!(enc.known[&9].parent(), Some(name));
+    // A move to the host tier is a removal and a store on the wire, with the tokens the move
+    // brings; a priority change is none.
     let moved = Event::Updated {
         key: 9,
         tier: 1,
         priority: 35,
+        tokens: Some([7, 8].into()),
     };
-    assert_eq!(enc.encode_batch([&moved], 2.0, 0).unwrap().1, 2);
+    let (bytes, n) = enc.encode_batch([&moved], 2.0, 0).unwrap();
+    assert_eq!(n, 2);
+    let token_ids = [&b"token_ids"[..], &[0x92, 7, 8]].concat();
+    assert!(bytes.windows(token_ids.len()).any(|w| w == &token_ids[..]));
     assert!(enc.encode_batch([&moved], 2.0, 0).is_none());
     let gone = Event::Removed {
         key: 9,
@@ -60,6 +65,44 @@ fn a_named_block_goes_out_under_its_name_and_its_child_names_it_as_parent() {
     assert_eq!(enc.encode_batch([&gone], 3.0, 0).unwrap().1, 1);
     assert_eq!(enc.removed, [1, 0, 0, 0]);
     assert_eq!(enc.live_blocks(), 1);
+}
+
+#[test]
+fn a_move_without_tokens_withdraws_the_block() {
+    let mut enc = WireEncoder::new(2, "GPU");
+    let stored = Event::Stored {
+        key: 4,
+        parent: None,
+        tokens: [1, 2].into(),
+        tier: 0,
+        priority: 35,
+    };
+    enc.encode_batch([&stored], 1.0, 0).unwrap();
+    let moved = Event::Updated {
+        key: 4,
+        tier: 1,
+        priority: 35,
+        tokens: None,
+    };
+    assert_eq!(enc.encode_batch([&moved], 2.0, 0).unwrap().1, 1);
+    assert_eq!(enc.live_blocks(), 0);
+}
+
+#[test]
+fn a_known_block_keeps_both_kinds_of_hash_in_24_bytes() {
+    assert_eq!(std::mem::size_of::<Known>(), 24);
+    for (wire, parent) in [
+        (i64::MIN as Wire, Some(u64::MAX as Wire)),
+        (u64::MAX as Wire, Some(-1)),
+        (0, None),
+        (-5, Some(0)),
+    ] {
+        let known = Known::new(wire, parent, 1);
+        assert_eq!(
+            (known.wire(), known.parent(), known.medium),
+            (wire, parent, 1)
+        );
+    }
 }
 
 #[test]
