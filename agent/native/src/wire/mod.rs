@@ -10,8 +10,9 @@
 pub mod msgpack;
 
 use std::collections::VecDeque;
+use std::hash::BuildHasher;
 
-use hashbrown::HashMap;
+use hashbrown::HashTable;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::engine::log::{Event, Reason};
@@ -90,58 +91,81 @@ impl Known {
 }
 
 /// Engine-key names by their block's tokens, oldest first (`dict` insertion order: a name
-/// given again for the same tokens keeps its place; a popped one leaves a stale entry in
-/// `order`, skipped when the oldest goes).
+/// given again for the same tokens keeps its place; a taken one leaves a stale entry in
+/// `order`, skipped when the oldest goes). A name costs one allocation (its tokens): the
+/// order keeps the entry's hash and number, by which it finds the entry again.
 #[derive(Debug, Default)]
 struct Names {
-    map: HashMap<Box<[u64]>, (Wire, u64), FxBuildHasher>,
-    order: VecDeque<(u64, Box<[u64]>)>,
+    table: HashTable<Name>,
+    /// `(number, hash)` of each name given, oldest first.
+    order: VecDeque<(u64, u64)>,
     next: u64,
+}
+
+#[derive(Debug)]
+struct Name {
+    tokens: Box<[u64]>,
+    wire: Wire,
+    seq: u64,
+}
+
+fn tokens_hash(tokens: &[u64]) -> u64 {
+    FxBuildHasher.hash_one(tokens)
 }
 
 impl Names {
     fn len(&self) -> usize {
-        self.map.len()
+        self.table.len()
     }
 
     fn insert(&mut self, tokens: &[u64], wire: Wire) {
-        if self.map.len() >= MAX_PENDING_NAMES {
+        if self.table.len() >= MAX_PENDING_NAMES {
             self.pop_oldest();
         }
-        if let Some(entry) = self.map.get_mut(tokens) {
-            entry.0 = wire;
+        let hash = tokens_hash(tokens);
+        if let Some(name) = self.table.find_mut(hash, |n| *n.tokens == *tokens) {
+            name.wire = wire;
             return;
         }
         let seq = self.next;
         self.next += 1;
-        let owned: Box<[u64]> = tokens.into();
-        self.order.push_back((seq, owned.clone()));
-        self.map.insert(owned, (wire, seq));
+        self.order.push_back((seq, hash));
+        let name = Name {
+            tokens: tokens.into(),
+            wire,
+            seq,
+        };
+        self.table
+            .insert_unique(hash, name, |n| tokens_hash(&n.tokens));
     }
 
     fn pop_oldest(&mut self) {
-        while let Some((seq, tokens)) = self.order.pop_front() {
-            if self.map.get(&tokens).is_some_and(|&(_, s)| s == seq) {
-                self.map.remove(&tokens);
+        while let Some((seq, hash)) = self.order.pop_front() {
+            if let Ok(found) = self.table.find_entry(hash, |n| n.seq == seq) {
+                found.remove();
                 return;
             }
         }
     }
 
     fn take(&mut self, tokens: &[u64]) -> Option<Wire> {
-        let (wire, _) = self.map.remove(tokens)?;
-        if self.order.len() > 2 * self.map.len() + 64 {
+        let found = self
+            .table
+            .find_entry(tokens_hash(tokens), |n| *n.tokens == *tokens)
+            .ok()?;
+        let (name, _) = found.remove();
+        if self.order.len() > 2 * self.table.len() + 64 {
             // Stale entries outnumber live ones: drop them (order is kept).
-            let map = &self.map;
+            let table = &self.table;
             self.order
-                .retain(|(seq, t)| map.get(t).is_some_and(|&(_, s)| s == *seq));
+                .retain(|&(seq, hash)| table.find(hash, |n| n.seq == seq).is_some());
         }
-        Some(wire)
+        Some(name.wire)
     }
 
     fn memory_bytes(&self) -> usize {
-        let tokens: usize = self.order.iter().map(|(_, t)| t.len() * 8 * 2).sum();
-        self.map.capacity() * (16 + 16 + 8 + 1) + self.order.capacity() * 24 + tokens
+        let tokens: usize = self.table.iter().map(|n| n.tokens.len() * 8).sum();
+        self.table.allocation_size() + self.order.capacity() * 16 + tokens
     }
 }
 

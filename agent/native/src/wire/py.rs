@@ -93,7 +93,7 @@ impl PyWireEncoder {
 
     /// `WireEncoder.name_chain`: block `i` of the flat `tokens` (`len(keys)` blocks of
     /// `block_size`) goes out under the wire hash of `keys[i]` when stored.
-    fn name_chain(&mut self, tokens: Vec<u64>, keys: Vec<Vec<u8>>) -> PyResult<()> {
+    fn name_chain(&mut self, tokens: Vec<u64>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
         let bs = self.inner.block_size as usize;
         if tokens.len() != keys.len() * bs {
             return Err(PyValueError::new_err(format!(
@@ -104,7 +104,7 @@ impl PyWireEncoder {
         }
         for (i, key) in keys.iter().enumerate() {
             self.inner
-                .name(&tokens[i * bs..(i + 1) * bs], wire_hash(key));
+                .name(&tokens[i * bs..(i + 1) * bs], wire_hash(key.as_bytes()));
         }
         Ok(())
     }

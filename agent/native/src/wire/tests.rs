@@ -115,3 +115,24 @@ fn names_forget_the_oldest_past_the_bound() {
     assert!(enc.names.take(&[0]).is_none());
     assert_eq!(enc.names.take(&[3]), Some(3));
 }
+
+#[test]
+fn names_keep_their_place_and_skip_what_was_taken() {
+    let mut names = Names::default();
+    names.insert(&[1, 1], 10);
+    names.insert(&[2, 2], 20);
+    names.insert(&[1, 1], 11); // named again: a new name, the same place
+    assert_eq!(names.take(&[2, 2]), Some(20));
+    names.pop_oldest(); // skips nothing: [1, 1] is the oldest
+    assert_eq!(names.len(), 0);
+    assert!(names.take(&[1, 1]).is_none());
+    for t in 0..1000u64 {
+        names.insert(&[t, t], t as i128);
+        assert_eq!(names.take(&[t, t]), Some(t as i128));
+    }
+    assert!(names.order.len() <= 2 * names.len() + 65); // stale entries were dropped
+    names.insert(&[7, 7], 7);
+    names.insert(&[8, 8], 8);
+    names.pop_oldest(); // past every stale entry, to the oldest live one
+    assert_eq!((names.take(&[7, 7]), names.take(&[8, 8])), (None, Some(8)));
+}
