@@ -158,7 +158,7 @@ class Tiers:
             tree.recheck(node.parent, now)
         if enqueue and new.ref_count == 0 and tree.evictable(new):
             tree.queues[new.tier][g].push(new, now)
-        if g == full or full is None:
+        if (g == full or full is None) and tree.events.enabled:
             tree.events.push(
                 BlockUpdated(node.key, TIER_NAMES[new.tier], node.priority, node.tokens)
             )

@@ -29,6 +29,7 @@ pub type Wire = i128;
 /// engine's own records of the block (256 B a block of 16 tokens, 4 KiB one of 512).
 #[derive(Debug, Clone, Copy)]
 struct Known {
+    /// The 64 bits of the wire hash (see [`split`]).
     wire: u64,
     parent: u64,
     /// [`WIRE_SIGNED`], [`HAS_PARENT`], [`PARENT_SIGNED`].
@@ -37,14 +38,14 @@ struct Known {
     medium: u8,
 }
 
-/// `Known::wire` holds an engine key (an i64) rather than a name (a u64).
+/// `Known::wire` is negative: its bits are an i64's.
 const WIRE_SIGNED: u8 = 1;
 const HAS_PARENT: u8 = 2;
-/// `Known::parent` holds an engine key.
+/// `Known::parent` is negative.
 const PARENT_SIGNED: u8 = 4;
 
-/// A wire hash (in `[-2**63, 2**64)`: an engine key or a name) as 64 bits and whether they
-/// are signed.
+/// A wire hash, in `[-2**63, 2**64)` (an engine key, an i64, or a name, a u64), as 64 bits
+/// and whether it is negative (then the bits are an i64's); [`join`] is the inverse.
 fn split(wire: Wire) -> (u64, bool) {
     if wire < 0 {
         (wire as i64 as u64, true)
