@@ -553,11 +553,7 @@ impl PyEngine {
                     blocks.append((br.tier, br.block_id, br.ref_count))?;
                 }
             }
-            let expires = if rec.expires_at.is_nan() {
-                None
-            } else {
-                Some(rec.expires_at)
-            };
+            let expires = st.expires_at(n);
             let toks = PyTuple::new(py, st.node_tokens(n).to_vec())?;
             out.append((
                 n,

@@ -392,7 +392,8 @@ impl Engine {
         s.capacity_miss_blocks += ghost_blocks as u64;
         s.capacity_miss_tokens += ghost_blocks as u64 * tpb;
         for &node in path {
-            self.store.nodes[node as usize].hits += 1;
+            let rec = &mut self.store.nodes[node as usize];
+            rec.hits = rec.hits.saturating_add(1);
         }
         if self.cfg.enable_block_reuse {
             self.record_accesses(path);

@@ -15,6 +15,7 @@ use std::hash::{BuildHasher, Hasher};
 use hashbrown::HashTable;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
+use crate::eviction::keyed::make_room;
 use crate::eviction::{Item, Node, Records, DEFAULT_PRIORITY};
 
 pub const NONE: u32 = u32::MAX;
@@ -33,11 +34,13 @@ pub struct NodeRec {
     pub num_children: u32,
     pub depth: u32,
     pub priority: u8,
-    /// Expiry of the priority; NaN for none.
-    pub expires_at: f64,
+    /// Whether the priority expires (then at `Store::expiry[node]`: few nodes have one, so
+    /// the time is kept beside the slab, not in every record).
+    pub expiring: bool,
     pub stored_at: f64,
     pub last_used: u64,
-    pub hits: u64,
+    /// Requests that reused the block (saturates at `u32::MAX`).
+    pub hits: u32,
     /// Children whose full-attention block sits in each tier (the leaf test for eviction).
     pub kids_in_tier: [u32; 2],
     /// Whether some token of the block needs more than 32 bits (then in `Store::wide`).
@@ -78,6 +81,8 @@ pub struct Store {
     tokens: Vec<u32>,
     /// Tokens of the nodes with some token past 32 bits.
     wide: FxHashMap<u32, Box<[u64]>>,
+    /// When the priority of an `expiring` node expires.
+    expiry: FxHashMap<u32, f64>,
     pub blocks: Vec<BlockRec>,
     free_blocks: Vec<u32>,
     /// (parent node, child key) -> child node.
@@ -110,7 +115,7 @@ impl Store {
         store.node_blocks.reserve_exact(nodes * num_groups);
         store.tokens.reserve_exact(nodes * tpb);
         store.blocks.reserve_exact(blocks);
-        store.children.table.reserve(nodes, |_| 0);
+        store.children.reserve(nodes);
         store
     }
 
@@ -123,6 +128,7 @@ impl Store {
             node_blocks: Vec::new(),
             tokens: Vec::new(),
             wide: FxHashMap::default(),
+            expiry: FxHashMap::default(),
             blocks: Vec::new(),
             free_blocks: Vec::new(),
             children: ChildIndex::default(),
@@ -150,7 +156,7 @@ impl Store {
             num_children: 0,
             depth,
             priority: DEFAULT_PRIORITY,
-            expires_at: f64::NAN,
+            expiring: false,
             stored_at: 0.0,
             last_used: 0,
             hits: 0,
@@ -348,7 +354,33 @@ impl Store {
             self.wide.remove(&node);
             self.nodes[node as usize].wide = false;
         }
+        self.set_expires_at(node, None);
         self.free_nodes.push(node);
+    }
+
+    /// When the node's priority expires (None: it does not).
+    #[inline]
+    pub fn expires_at(&self, node: u32) -> Option<f64> {
+        if self.nodes[node as usize].expiring {
+            Some(self.expiry[&node])
+        } else {
+            None
+        }
+    }
+
+    pub fn set_expires_at(&mut self, node: u32, at: Option<f64>) {
+        let rec = &mut self.nodes[node as usize];
+        match at {
+            Some(at) => {
+                rec.expiring = true;
+                self.expiry.insert(node, at);
+            }
+            None if rec.expiring => {
+                rec.expiring = false;
+                self.expiry.remove(&node);
+            }
+            None => {}
+        }
     }
 
     #[inline]
@@ -425,6 +457,7 @@ impl Store {
             + self.tokens.capacity() * 4
             + self.wide.capacity() * map_entry(4, 16)
             + self.wide.values().map(|v| v.len() * 8).sum::<usize>()
+            + self.expiry.capacity() * map_entry(4, 8)
             + self.blocks.capacity() * size_of::<BlockRec>()
             + self.free_blocks.capacity() * 4
             + self.children.table.allocation_size()
@@ -442,6 +475,9 @@ impl Store {
 #[derive(Default)]
 struct ChildIndex {
     table: HashTable<u32>,
+    /// What the table holds with no tombstones ([`make_room`]): nodes come and go at a steady
+    /// count, and hashbrown alone would double the table for its tombstones.
+    room: usize,
 }
 
 #[inline]
@@ -453,6 +489,11 @@ fn child_hash(parent: u32, key: i64) -> u64 {
 }
 
 impl ChildIndex {
+    fn reserve(&mut self, nodes: usize) {
+        self.table.reserve(nodes, |_| 0);
+        self.room = self.table.capacity();
+    }
+
     #[inline]
     fn get(&self, parent: u32, key: i64, nodes: &[NodeRec]) -> u32 {
         let found = self.table.find(child_hash(parent, key), |&c| {
@@ -467,6 +508,7 @@ impl ChildIndex {
             let n = &nodes[c as usize];
             child_hash(n.parent, n.key)
         };
+        make_room(&mut self.table, &mut self.room, rehash);
         self.table
             .insert_unique(child_hash(parent, key), child, rehash);
     }
@@ -530,14 +572,7 @@ impl Records for Store {
     fn expires_at(&self, item: Item) -> Option<f64> {
         match self.blocks[item as usize].node {
             NONE => None,
-            n => {
-                let at = self.nodes[n as usize].expires_at;
-                if at.is_nan() {
-                    None
-                } else {
-                    Some(at)
-                }
-            }
+            n => self.expires_at(n),
         }
     }
     #[inline]

@@ -138,13 +138,8 @@ impl Engine {
             self.stats.evictions[t] += 1;
             let mut host_id = None;
             let priority = {
-                let n = &self.store.nodes[node as usize];
-                let at = if n.expires_at.is_nan() {
-                    None
-                } else {
-                    Some(n.expires_at)
-                };
-                effective_priority(n.priority, at, now)
+                let at = self.store.expires_at(node);
+                effective_priority(self.store.nodes[node as usize].priority, at, now)
             };
             if has_host && priority >= threshold {
                 host_id = self.take_host_slot(g, now);

@@ -245,12 +245,10 @@ impl Engine {
             let rec = &mut self.store.nodes[node as usize];
             rec.priority = priority;
             rec.stored_at = now;
-            rec.expires_at = match duration {
-                None => f64::NAN,
-                Some(ms) => now + ms as f64 / 1000.0,
-            };
             rec.last_used = self.tick;
         }
+        self.store
+            .set_expires_at(node, duration.map(|ms| now + ms as f64 / 1000.0));
         for g in 0..self.num_groups {
             let block = seq.held[g][j];
             assert!(block != NONE && self.store.blocks[block as usize].node == NONE);
@@ -335,24 +333,15 @@ impl Engine {
             let (priority, duration) =
                 seq.retention
                     .block_priority(j * tpb, (j + 1) * tpb, seq.num_prompt as u64);
-            let (current, expires, stored_at) = {
+            let (current, stored_at) = {
                 let r = &self.store.nodes[node as usize];
-                (r.priority, r.expires_at, r.stored_at)
+                (r.priority, r.stored_at)
             };
-            let expires = if expires.is_nan() {
-                None
-            } else {
-                Some(expires)
-            };
+            let expires = self.store.expires_at(node);
             if priority > effective_priority(current, expires, now) {
-                {
-                    let r = &mut self.store.nodes[node as usize];
-                    r.priority = priority;
-                    r.expires_at = match duration {
-                        None => f64::NAN,
-                        Some(ms) => stored_at + ms as f64 / 1000.0,
-                    };
-                }
+                self.store.nodes[node as usize].priority = priority;
+                self.store
+                    .set_expires_at(node, duration.map(|ms| stored_at + ms as f64 / 1000.0));
                 for g in 0..self.num_groups {
                     let block = self.store.block_of(node, g);
                     if block != NONE {

@@ -58,24 +58,10 @@ impl KeyIndex {
         self.table.find(hash(key), |&s| key_of(s) == key).copied()
     }
 
-    /// Before an insert: rebuild a table whose room went to tombstones, grow a full one.
+    /// Before an insert: make room (see [`make_room`]).
     #[inline]
     fn make_room(&mut self, key_of: &impl Fn(u32) -> i64) {
-        let len = self.table.len();
-        if len < self.table.capacity() {
-            return;
-        }
-        let room = if len < self.room / 4 * 3 {
-            self.room
-        } else {
-            len.max(self.room) + 1 // the next size up
-        };
-        let old = std::mem::replace(&mut self.table, HashTable::with_capacity(room));
-        for s in old {
-            self.table
-                .insert_unique(hash(key_of(s)), s, |_| unreachable!("sized to fit"));
-        }
-        self.room = self.table.capacity();
+        make_room(&mut self.table, &mut self.room, |&s| hash(key_of(s)));
     }
 
     /// Point `key` at `slot`; returns the slot it pointed at before.
@@ -124,6 +110,28 @@ impl KeyIndex {
     pub fn memory_bytes(&self) -> usize {
         self.table.allocation_size()
     }
+}
+
+/// Before an insert into `table`: rebuild it where its room went to tombstones, grow it where
+/// it is full (the rule of the module docstring). `room` is what the table held with no
+/// tombstones when last made; `rehash` gives an entry's hash.
+#[inline]
+pub fn make_room<T>(table: &mut HashTable<T>, room: &mut usize, rehash: impl Fn(&T) -> u64) {
+    let len = table.len();
+    if len < table.capacity() {
+        return;
+    }
+    let size = if len < *room / 4 * 3 {
+        *room
+    } else {
+        len.max(*room) + 1 // the next size up
+    };
+    let old = std::mem::replace(table, HashTable::with_capacity(size));
+    for entry in old {
+        let h = rehash(&entry);
+        table.insert_unique(h, entry, |_| unreachable!("sized to fit"));
+    }
+    *room = table.capacity();
 }
 
 /// Heap bytes of a hash map: its buckets (key, value and one control byte each).
