@@ -164,3 +164,31 @@ fn a_node_record_keeps_its_rare_expiry_beside_the_slab() {
     assert_eq!(e.store.expires_at(node), None);
     assert!(!e.store.nodes[node as usize].expiring);
 }
+
+/// A full cache whose blocks keep changing (one in, one out) keeps its child index at the size
+/// it was reserved at: hashbrown alone doubled it for the tombstones the removals leave.
+#[test]
+fn churn_does_not_grow_the_child_index() {
+    // 4,901 nodes in 8,192 buckets (60%, as the memory bench's 20,001 in 32,768): enough
+    // full slots that removals leave tombstones, few enough (under three quarters of the
+    // 7,168 hashbrown fills) that a rebuild at this size leaves room; a fuller table grows.
+    let blocks = 4_900;
+    let mut e = engine(blocks, "lru");
+    let children = |e: &Engine| {
+        let parts = e.store.memory_breakdown();
+        parts
+            .iter()
+            .find(|(name, _)| *name == "children")
+            .unwrap()
+            .1
+    };
+    let before = children(&e);
+    assert!(before > 0);
+    // Ten capacities of new blocks, 16 per request: every one evicts an old one.
+    for r in 0..(10 * blocks as u64 / 16) {
+        let tokens: Vec<u64> = (r * 16 * TPB as u64..(r + 1) * 16 * TPB as u64).collect();
+        store(&mut e, &tokens);
+    }
+    assert!(e.store.live_nodes > blocks / 2);
+    assert_eq!(children(&e), before);
+}
