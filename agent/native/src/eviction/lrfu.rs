@@ -6,9 +6,9 @@
 //! history of keys (bounded, oldest dropped first) outlives their eviction. The key of a
 //! queued item is its node's (Python reads `block_id`, the key of a shadow node).
 //!
-//! The history is the biggest table of the default policy (eight keys per block of
-//! capacity): a [`RingMap`] whose ticks take 4 bytes and whose `C` takes none while it is
-//! exactly 1.0 ([`TickCrf`]).
+//! The history is the biggest table of the default policy (two keys per block of capacity,
+//! at least [`HISTORY_FLOOR`]): a [`RingMap`] whose ticks take 4 bytes and whose `C` takes
+//! none while it is exactly 1.0 ([`TickCrf`]).
 
 use super::float::{log2, pow};
 use super::heap::{Entry, LazyHeap, Stamped};
@@ -17,8 +17,9 @@ use super::{Item, Records};
 
 /// `lambda`: the weight of one use halves every `1 / DECAY` accesses.
 pub const DECAY: f64 = 1e-5;
-/// Keys remembered: this many times the capacity (at least `HISTORY_FLOOR`).
-pub const HISTORY_FACTOR: usize = 8;
+/// Keys remembered: this many times the capacity (at least `HISTORY_FLOOR`); `lrfu.py` says
+/// why 2 (it was 8).
+pub const HISTORY_FACTOR: usize = 2;
 pub const HISTORY_FLOOR: usize = 65_536;
 
 /// `(value, last_used, order, stamp, block)`.
