@@ -130,8 +130,8 @@ def test_lrfu_history_is_the_same_to_the_bit(tick_span: int | None) -> None:
         cold = [1000 + rng.randrange(400) * 13 for _ in range(rng.randrange(1, 8))]
         paths.append(hot + cold)  # path keys: a key's parent differs, as in real streams
     paths = [[hash((tuple(p[:i]), k)) for i, k in enumerate(p)] for p in paths]
-    py = shadow("lrfu", 6, 8)
-    twin = kvpool_native.ShadowTwin("lrfu", 6, 8, tick_span)
+    py = shadow("lrfu", 6, 48)  # the bound: the floor of 48 keys (twice the capacity is 12)
+    twin = kvpool_native.ShadowTwin("lrfu", 6, 48, tick_span)
     history = py._queue._history  # type: ignore[attr-defined]
     far = 0
     for i, keys in enumerate(paths):
