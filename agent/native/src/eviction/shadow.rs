@@ -18,14 +18,21 @@ use super::{Item, Node, Records};
 pub const ROOT: Node = 0;
 const NO_PARENT: u32 = u32::MAX;
 
-/// One cached key: its tree links and its queue record (36 bytes: packed to 4-byte
+/// One cached key: its tree links and its queue record (32 bytes: packed to 4-byte
 /// alignment, the 64-bit fields read and written by value).
+///
+/// The stamp keeps its low 32 bits here. Orders that only test a heap entry's stamp for
+/// equality (LRU, LRFU, ARC) read them alone and let them wrap: a stale entry could match
+/// again only after 2**32 bumps of its slot, but every bump comes with a push or a discard,
+/// and a heap is compacted (its stale entries dropped) once it holds twice its live entries,
+/// so a stale entry lives through at most about twice the capacity in bumps. Orders that
+/// sort by the Python stamp (reuse-gap, which holds nodes) keep the high bits in [`Held`].
 #[derive(Debug, Clone, Copy)]
 #[repr(C, packed(4))]
 struct ShadowNode {
     key: i64,
     last_used: u64,
-    queue_stamp: u64,
+    stamp_lo: u32,
     parent: u32,
     children: u32,
     queue_level: i8,
@@ -49,6 +56,8 @@ struct Held {
     born: u64,
     /// Holds of the orders that remember it (`Records::hold`).
     holds: u32,
+    /// The high 32 bits of the slot's `queue_stamp` (the low ones are the node's).
+    stamp_hi: u32,
 }
 
 /// The shadow's nodes: a slab of `ShadowNode`s with a free list, and the births and holds
@@ -76,7 +85,7 @@ impl ShadowNodes {
         let root = ShadowNode {
             key: 0,
             last_used: 0,
-            queue_stamp: 0,
+            stamp_lo: 0,
             parent: NO_PARENT,
             children: 0,
             queue_level: -1,
@@ -102,7 +111,7 @@ impl ShadowNodes {
         let mut fresh = ShadowNode {
             key,
             last_used: 0,
-            queue_stamp: 0,
+            stamp_lo: 0,
             parent,
             children: 0,
             queue_level: -1,
@@ -110,15 +119,13 @@ impl ShadowNodes {
         };
         match self.free.pop() {
             Some(at) => {
-                let slot = &mut self.nodes[at as usize];
-                let stamp = slot.queue_stamp;
-                fresh.queue_stamp = stamp;
-                *slot = fresh;
+                let stamp = self.queue_stamp(at);
+                fresh.stamp_lo = self.nodes[at as usize].stamp_lo;
+                self.nodes[at as usize] = fresh;
                 if self.holding {
-                    self.held[at as usize] = Held {
-                        born: stamp,
-                        holds: 0,
-                    };
+                    let held = &mut self.held[at as usize];
+                    held.born = stamp;
+                    held.holds = 0;
                 }
                 at
             }
@@ -208,11 +215,20 @@ impl Records for ShadowNodes {
     }
     #[inline]
     fn queue_stamp(&self, item: Item) -> u64 {
-        self.at(item).queue_stamp
+        let lo = self.at(item).stamp_lo as u64;
+        if self.holding {
+            (self.held[item as usize].stamp_hi as u64) << 32 | lo
+        } else {
+            lo
+        }
     }
     #[inline]
     fn bump_stamp(&mut self, item: Item) {
-        self.at_mut(item).queue_stamp += 1;
+        let n = self.at_mut(item);
+        n.stamp_lo = n.stamp_lo.wrapping_add(1);
+        if n.stamp_lo == 0 && self.holding {
+            self.held[item as usize].stamp_hi += 1;
+        }
     }
     #[inline]
     fn order_stamp(&self, item: Item) -> u64 {
@@ -220,7 +236,7 @@ impl Records for ShadowNodes {
             self.holding,
             "a shadow that keeps no births has no Python stamps"
         );
-        self.at(item).queue_stamp - self.held[item as usize].born
+        self.queue_stamp(item) - self.held[item as usize].born
     }
     #[inline]
     fn priority(&self, _item: Item) -> u8 {
@@ -525,5 +541,35 @@ mod tests {
         let c = nodes.alloc(9, ROOT);
         assert_eq!(c, a); // reused once let go, its stamp going on, its Python stamp at 0
         assert_eq!((nodes.queue_stamp(c), nodes.order_stamp(c)), (1, 0));
+    }
+
+    #[test]
+    fn stamps_take_32_bits_unless_the_order_sorts_by_them() {
+        assert_eq!(std::mem::size_of::<ShadowNode>(), 32);
+        assert_eq!(std::mem::size_of::<Held>(), 16);
+        // An order that only compares stamps for equality: the stamp wraps, and still tells
+        // the node's current entry from the one before.
+        let mut plain = ShadowNodes::with_capacity(4, false);
+        let a = plain.alloc(7, ROOT);
+        plain.at_mut(a).stamp_lo = u32::MAX;
+        let before = plain.queue_stamp(a);
+        plain.bump_stamp(a);
+        assert_eq!(plain.queue_stamp(a), 0);
+        assert_ne!(plain.queue_stamp(a), before);
+        // reuse-gap's shadow keeps the high bits: its Python stamps count on past 2**32.
+        let mut holding = ShadowNodes::with_capacity(4, true);
+        let b = holding.alloc(7, ROOT);
+        holding.at_mut(b).stamp_lo = u32::MAX;
+        assert_eq!(holding.order_stamp(b), u32::MAX as u64);
+        holding.bump_stamp(b);
+        assert_eq!(holding.queue_stamp(b), 1 << 32);
+        assert_eq!(holding.order_stamp(b), 1 << 32);
+        holding.drop_node(b);
+        let c = holding.alloc(8, ROOT);
+        assert_eq!(c, b);
+        assert_eq!(
+            (holding.queue_stamp(c), holding.order_stamp(c)),
+            (1 << 32, 0)
+        );
     }
 }
