@@ -60,11 +60,16 @@ pub struct BlockRec {
     pub ref_count: u32,
     pub node: u32,
     pub queue_level: i16,
-    /// Only ever grows in a slot, across the records that reuse it.
-    pub queue_stamp: u64,
+    /// The slot's queue stamp, in 32 bits: it only grows in a slot, across the records that
+    /// reuse it, and wraps. A heap entry holds the stamp it was made with and is current while
+    /// they are equal; a heap is compacted once it holds twice its live entries, and every
+    /// bump of a stamp comes with a push or a discard, so a stale entry lives through about
+    /// twice the capacity in bumps of its slot, far from 2**32.
+    pub queue_stamp: u32,
     /// `queue_stamp` when this record took the slot: the Python `Block`'s own stamp is
-    /// `queue_stamp - stamp_base` (it counts from 0), and reuse-gap sorts by it.
-    pub stamp_base: u64,
+    /// `queue_stamp - stamp_base` (it counts from 0, here modulo 2**32), and reuse-gap sorts
+    /// by it (only to break ties: a record requeued over 2**32 times would sort as new).
+    pub stamp_base: u32,
     /// Bumped when the record is freed: tells a record from a later one in the same slot.
     pub gen: u32,
 }
@@ -550,16 +555,17 @@ impl Records for Store {
     }
     #[inline]
     fn queue_stamp(&self, item: Item) -> u64 {
-        self.blocks[item as usize].queue_stamp
+        self.blocks[item as usize].queue_stamp as u64
     }
     #[inline]
     fn bump_stamp(&mut self, item: Item) {
-        self.blocks[item as usize].queue_stamp += 1;
+        let rec = &mut self.blocks[item as usize];
+        rec.queue_stamp = rec.queue_stamp.wrapping_add(1);
     }
     #[inline]
     fn order_stamp(&self, item: Item) -> u64 {
         let rec = &self.blocks[item as usize];
-        rec.queue_stamp - rec.stamp_base
+        rec.queue_stamp.wrapping_sub(rec.stamp_base) as u64
     }
     #[inline]
     fn priority(&self, item: Item) -> u8 {

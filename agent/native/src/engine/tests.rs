@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::pool::TierLayout;
-use super::store::{NodeRec, NONE};
+use super::store::{BlockRec, NodeRec, NONE};
 use super::{Engine, EngineConfig, Retention};
 use crate::pyhash::block_key;
 
@@ -150,6 +150,8 @@ fn a_node_record_keeps_its_rare_expiry_beside_the_slab() {
     // 72 bytes: an expiry time in every record would make it 80 (the bench's 16-token block
     // costs about 700 bytes in all, so 16 is 2%).
     assert_eq!(std::mem::size_of::<NodeRec>(), 72);
+    // And a block record 32 (its stamps in 32 bits: `BlockRec::queue_stamp` says why).
+    assert_eq!(std::mem::size_of::<BlockRec>(), 32);
     let mut e = engine(8, "lru");
     store(&mut e, &(0..32).collect::<Vec<u64>>());
     let node = e
@@ -191,4 +193,24 @@ fn churn_does_not_grow_the_child_index() {
     }
     assert!(e.store.live_nodes > blocks / 2);
     assert_eq!(children(&e), before);
+}
+
+/// A slot's stamp wraps at 2**32; a record's Python stamp (what reuse-gap sorts by) still
+/// counts its own bumps.
+#[test]
+fn a_block_stamp_wraps_and_its_python_stamp_counts_on() {
+    use crate::eviction::Records;
+    let mut e = engine(8, "reuse-gap");
+    let b = e.store.new_block(0, 0, 0);
+    e.store.blocks[b as usize].queue_stamp = u32::MAX;
+    e.store.free_block(b);
+    let c = e.store.new_block(0, 0, 0);
+    assert_eq!(c, b); // the slot is reused, and keeps its stamp
+    assert_eq!(
+        (e.store.queue_stamp(c), e.store.order_stamp(c)),
+        (u32::MAX as u64, 0)
+    );
+    e.store.bump_stamp(c);
+    e.store.bump_stamp(c);
+    assert_eq!((e.store.queue_stamp(c), e.store.order_stamp(c)), (1, 2));
 }
