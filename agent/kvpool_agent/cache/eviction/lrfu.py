@@ -29,7 +29,7 @@ class LRFUQueue(HeapQueue):
     """Keys remembered: this many times the capacity (at least ``history_floor``). It was 8:
     on every trace cell where the factor binds (capacities above 8,192 blocks: synthetic at
     25%, mrqa at 10 and 25%, gsp_zipf at 5, 10 and 25%), 2, 4 and 8 gave the default the
-    same hit rate within 0.03 points (``bench/results/lrfu_history.json``). A quarter of the
+    same hit rate within 0.035 points (``bench/results/lrfu_history.json``). A quarter of the
     memory of 8 where the factor binds, on the largest table of the default policy."""
     history_floor = 65_536
     """The fewest keys remembered, however small the cache (small caches lose most from
