@@ -19,6 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
+from plots import grouped_bars  # bench/plots.py
 from replay_sweep import FRACTIONS, TRACES, _register, trace_path  # bench/replay_sweep.py
 from rich.console import Console
 from rich.progress import Progress
@@ -92,25 +93,10 @@ def main() -> None:
 
 
 def _plot(rows: list[dict[str, float | int | str]], factors: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['trace']}\n{100 * float(r['fraction']):g}%" for r in rows]
-    width = 0.8 / len(factors)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, f in enumerate(factors):
-        offset = (i - (len(factors) - 1) / 2) * width
-        values = [100 * float(r[f"hit_rate_{f}x"]) for r in rows]
-        ax.bar([j + offset for j in range(len(rows))], values, width, label=f"history {f}x")
-    ax.set_xticks(list(range(len(rows))), labels)
-    ax.set_ylabel("block hit rate (%)")
-    ax.set_title("default policy by LRFU history factor (cells where it binds)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    groups = [f"{r['trace']}\n{100 * float(r['fraction']):g}%" for r in rows]
+    series = {f"history {f}x": [100 * float(r[f"hit_rate_{f}x"]) for r in rows] for f in factors}
+    title = "default policy by LRFU history factor (cells where it binds)"
+    grouped_bars(path, groups, series, "block hit rate (%)", title)
 
 
 if __name__ == "__main__":

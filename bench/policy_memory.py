@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import baselines  # bench/baselines.py, beside this script
+from plots import grouped_bars  # bench/plots.py
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -168,29 +169,19 @@ def main() -> None:
 
 
 def _plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(dict.fromkeys(r.workload for r in rows))
-    policies = list(dict.fromkeys(r.policy for r in rows))
-    count = len(policies)
-    width = 0.8 / count
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, policy in enumerate(policies):
+    series = {}
+    for policy in dict.fromkeys(r.policy for r in rows):
         per = {r.workload: r.bytes_per_block for r in rows if r.policy == policy}
-        values = [per[name] for name in names]
-        offset = (i - (count - 1) / 2) * width
-        ax.bar([j + offset for j in range(len(names))], values, width, label=policy)
-    ax.set_xticks(list(range(len(names))), names)
-    ax.set_ylabel("bytes per block of capacity (Python heap + compiled core)")
-    ax.set_title("cache metadata per block: kvpool by core and policy, vLLM, SGLang")
-    ax.set_yscale("log")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        series[policy] = [per[name] for name in names]
+    grouped_bars(
+        path,
+        names,
+        series,
+        "bytes per block of capacity (Python heap + compiled core)",
+        "cache metadata per block: kvpool by core and policy, vLLM, SGLang",
+        log=True,
+    )
 
 
 if __name__ == "__main__":
