@@ -60,11 +60,8 @@ pub struct BlockRec {
     pub ref_count: u32,
     pub node: u32,
     pub queue_level: i16,
-    /// The slot's queue stamp, in 32 bits: it only grows in a slot, across the records that
-    /// reuse it, and wraps. A heap entry holds the stamp it was made with and is current while
-    /// they are equal; a heap is compacted once it holds twice its live entries, and every
-    /// bump of a stamp comes with a push or a discard, so a stale entry lives through about
-    /// twice the capacity in bumps of its slot, far from 2**32.
+    /// The slot's queue stamp: it only grows in a slot, across the records that reuse it, and
+    /// wraps at 2**32 (why that is safe: `eviction/heap.rs`).
     pub queue_stamp: u32,
     /// `queue_stamp` when this record took the slot: the Python `Block`'s own stamp is
     /// `queue_stamp - stamp_base` (it counts from 0, here modulo 2**32), and reuse-gap sorts

@@ -5,6 +5,12 @@
 //! longer matches (it is *stale*). Stale entries are dropped all at once by [`compact`] when
 //! they outnumber the live ones.
 //!
+//! That bound is why records may keep their stamps in 32 bits and let them wrap (the
+//! engine's `BlockRec`, the shadows' nodes): a stamp is only compared for equality, every
+//! bump comes with a push or a discard, and compaction drops a stale entry within about
+//! twice the live count of bumps of its slot, far from 2**32, so a wrapped stamp never meets
+//! an entry made 2**32 bumps before.
+//!
 //! Entries stand for Python tuples and compare like them, field by field (IEEE `<` and `==`
 //! on floats). Every heap's entries carry a unique sequence number before the item, so two
 //! entries never compare equal: the minimum is unique, and which entry a pop returns does

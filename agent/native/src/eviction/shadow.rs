@@ -22,11 +22,9 @@ const NO_PARENT: u32 = u32::MAX;
 /// alignment, the 64-bit fields read and written by value).
 ///
 /// The stamp keeps its low 32 bits here. Orders that only test a heap entry's stamp for
-/// equality (LRU, LRFU, ARC) read them alone and let them wrap: a stale entry could match
-/// again only after 2**32 bumps of its slot, but every bump comes with a push or a discard,
-/// and a heap is compacted (its stale entries dropped) once it holds twice its live entries,
-/// so a stale entry lives through at most about twice the capacity in bumps. Orders that
-/// sort by the Python stamp (reuse-gap, which holds nodes) keep the high bits in [`Held`].
+/// equality (LRU, LRFU, ARC) read them alone and let them wrap (safe: see `heap.rs`); orders
+/// that sort by the Python stamp (reuse-gap, which holds nodes) keep the high bits in
+/// [`Held`].
 #[derive(Debug, Clone, Copy)]
 #[repr(C, packed(4))]
 struct ShadowNode {
@@ -119,12 +117,12 @@ impl ShadowNodes {
         };
         match self.free.pop() {
             Some(at) => {
-                let stamp = self.queue_stamp(at);
                 fresh.stamp_lo = self.nodes[at as usize].stamp_lo;
                 self.nodes[at as usize] = fresh;
                 if self.holding {
+                    let born = self.queue_stamp(at);
                     let held = &mut self.held[at as usize];
-                    held.born = stamp;
+                    held.born = born;
                     held.holds = 0;
                 }
                 at
