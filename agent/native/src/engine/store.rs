@@ -89,6 +89,8 @@ pub struct Store {
     free_blocks: Vec<u32>,
     /// (parent node, child key) -> child node.
     children: ChildIndex,
+    /// Nodes that became or stopped being single-child so far (`Records::shape_version`).
+    shape: u64,
     /// Parents with many children: first token -> how many children start with it (the
     /// partial match skips parents where no child starts with the next token).
     heads: FxHashMap<u32, FxHashMap<u64, u32>>,
@@ -134,6 +136,7 @@ impl Store {
             blocks: Vec::new(),
             free_blocks: Vec::new(),
             children: ChildIndex::default(),
+            shape: 0,
             heads: FxHashMap::default(),
             live_nodes: 0,
         }
@@ -265,6 +268,9 @@ impl Store {
         let p = &mut self.nodes[parent as usize];
         p.last_child = child;
         p.num_children += 1;
+        if p.num_children == 2 {
+            self.shape += 1;
+        }
         // `head_added`: kept from HEADS_FROM children on.
         if self.heads.contains_key(&parent) {
             let first = self.first_token(child);
@@ -304,6 +310,9 @@ impl Store {
             self.nodes[next as usize].prev_sibling = prev;
         }
         self.nodes[parent as usize].num_children -= 1;
+        if self.nodes[parent as usize].num_children == 1 {
+            self.shape += 1;
+        }
         if self.heads.contains_key(&parent) {
             let first = self.first_token(child);
             let heads = self.heads.get_mut(&parent).unwrap();
@@ -610,6 +619,10 @@ impl Records for Store {
     }
     fn hold(&mut self, node: Node) {
         self.nodes[node as usize].holds += 1;
+    }
+    #[inline]
+    fn shape_version(&self) -> Option<u64> {
+        Some(self.shape)
     }
     fn unhold(&mut self, node: Node) {
         let rec = &mut self.nodes[node as usize];

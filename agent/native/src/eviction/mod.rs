@@ -98,6 +98,12 @@ pub trait Records {
     /// drops it, until a matching `unhold`. Holds nest.
     fn hold(&mut self, node: Node);
     fn unhold(&mut self, node: Node);
+    /// A count that changes whenever a node gets its second child or is left with one: the
+    /// single-child chains an order walked are still as it found them while it stands (None:
+    /// not counted, so nothing may be remembered).
+    fn shape_version(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// `effective_priority` of `queue.py`: the priority, or the default once its duration passed.

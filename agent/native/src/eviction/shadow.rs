@@ -67,6 +67,8 @@ pub struct ShadowNodes {
     held: Vec<Held>,
     holding: bool,
     free: Vec<u32>,
+    /// Nodes that became or stopped being single-child so far (`Records::shape_version`).
+    shape: u64,
 }
 
 impl Default for ShadowNodes {
@@ -101,6 +103,7 @@ impl ShadowNodes {
             held,
             holding,
             free: Vec::new(),
+            shape: 0,
         }
     }
 
@@ -278,6 +281,10 @@ impl Records for ShadowNodes {
         self.held[node as usize].holds += 1;
     }
     #[inline]
+    fn shape_version(&self) -> Option<u64> {
+        Some(self.shape)
+    }
+    #[inline]
     fn unhold(&mut self, node: Node) {
         let slot = &mut self.held[node as usize];
         slot.holds -= 1;
@@ -425,7 +432,9 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
             self.cache.remove(key, |n| nodes.at(n).key);
             let p = self.nodes.at_mut(parent);
             p.children -= 1;
+            let single = p.children == 1;
             let orphan = parent != ROOT && p.children == 0 && p.flags & PINNED == 0;
+            self.nodes.shape += u64::from(single);
             self.nodes.drop_node(victim);
             if orphan {
                 self.queue.enqueue(parent, &mut self.nodes);
@@ -449,7 +458,10 @@ impl<Q: ShadowOrder> ShadowCache<Q> {
             if observes {
                 self.queue.on_access(node, &mut self.nodes);
             }
-            self.nodes.at_mut(parent).children += 1;
+            let p = self.nodes.at_mut(parent);
+            p.children += 1;
+            let branched = p.children == 2;
+            self.nodes.shape += u64::from(branched);
             let nodes = &self.nodes;
             self.cache.insert(key, node, |n| nodes.at(n).key);
             parent = node;

@@ -35,9 +35,17 @@ pub struct ToyStore {
     free_nodes: Vec<u32>,
     items: Vec<ToyItem>,
     free_items: Vec<u32>,
+    /// Nodes that became or stopped being single-child, once `count_shape` is called
+    /// (`Records::shape_version`).
+    shape: Option<u64>,
 }
 
 impl ToyStore {
+    /// Count the tree's shape changes from now on, so orders may remember walks.
+    pub fn count_shape(&mut self) {
+        self.shape = Some(0);
+    }
+
     /// A node `key` under `parent` (None: a root).
     pub fn add_node(
         &mut self,
@@ -61,6 +69,9 @@ impl ToyStore {
             let p = &mut self.nodes[p as usize];
             assert!(p.alive, "the parent of {key} is not in the tree");
             p.children += 1;
+            if let (Some(shape), 2) = (&mut self.shape, p.children) {
+                *shape += 1;
+            }
         }
         match self.free_nodes.pop() {
             Some(at) => {
@@ -83,6 +94,9 @@ impl ToyStore {
         );
         if n.parent != NO_PARENT {
             self.nodes[n.parent as usize].children -= 1;
+            if let (Some(shape), 1) = (&mut self.shape, self.nodes[n.parent as usize].children) {
+                *shape += 1;
+            }
         }
         self.nodes[node as usize].alive = false;
         if n.holds == 0 {
@@ -211,6 +225,10 @@ impl Records for ToyStore {
     #[inline]
     fn hold(&mut self, node: Node) {
         self.nodes[node as usize].holds += 1;
+    }
+    #[inline]
+    fn shape_version(&self) -> Option<u64> {
+        self.shape
     }
     #[inline]
     fn unhold(&mut self, node: Node) {
