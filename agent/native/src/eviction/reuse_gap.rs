@@ -12,7 +12,7 @@
 //! readable, and let go when the shortcut is dropped.
 //!
 //! One thing Python does not do: a walk to a chain's head is handed from a block that leaves
-//! the queue to its parent (`pass_on`, `head`), while nothing it read has changed. Python
+//! the queue to its parent (`heir`, `head`), while nothing it read has changed. Python
 //! walks again, up the whole chain for each block of it, so evicting a chain of n blocks
 //! took n^2/2 steps (a third of the default policy's time with 256-block sequences); both
 //! find the same heads (the differential tests and `tests` below compare them).
@@ -192,12 +192,14 @@ impl ReuseGapQueue {
     pub fn discard<R: Records + ?Sized>(&mut self, item: Item, recs: &mut R) {
         // Another order's victim (a mixture's leader evicts it) leaves its parent as a pop
         // does; its own entry stays, as on every discard.
+        self.drop_inherited(recs);
         let node = recs.node(item);
-        let kept = self.head_of.get(&recs.key(node)).copied();
-        if let Some(entry) = kept {
-            recs.hold(entry.head); // for `pass_on`: the entry keeps its own
+        if let Some(&entry) = self.head_of.get(&recs.key(node)) {
+            if let Some(heir) = self.heir(node, entry, recs) {
+                recs.hold(entry.head); // the entry keeps its own
+                self.inherited = Some(heir);
+            }
         }
-        self.pass_on(node, kept, recs);
         self.live -= 1;
         self.by_overdue.compact(self.live, Some(item), recs);
         self.by_rate.compact(self.live, Some(item), recs);
@@ -234,37 +236,44 @@ impl ReuseGapQueue {
         let victim = recs.node(item);
         let key = recs.key(victim);
         self.estimates.remove(&key);
-        let removed = self.head_of.remove(&key);
-        if removed.is_some() && recs.num_children(victim) > 0 {
-            self.epoch += 1; // a shortcut on the walks from below it is gone
+        self.drop_inherited(recs);
+        if let Some(entry) = self.head_of.remove(&key) {
+            if recs.num_children(victim) > 0 {
+                self.epoch += 1; // a shortcut on the walks from below it is gone
+            }
+            match self.heir(victim, entry, recs) {
+                Some(heir) => self.inherited = Some(heir), // with the entry's hold
+                None => recs.unhold(entry.head),
+            }
         }
-        self.pass_on(victim, removed, recs); // takes over the entry's hold
         Some(item)
     }
 
-    /// `node` leaves the queue (`entry`: its chain head, if it has one). Its parent, whose
-    /// only child it was, may turn leaf and be pushed next, and that walk is `node`'s
-    /// without its first step, to the same head, while nothing a walk reads has changed
-    /// since `node`'s walk: no node became or stopped being single-child (the records'
-    /// shape version) and no shortcut came or went (the epoch). [`Self::head`] takes it then
-    /// (checking that the parent is a leaf). Evicting a chain leaf by leaf walks it once,
-    /// not once per block. The entry's hold passes to `inherited` or is let go.
-    fn pass_on<R: Records + ?Sized>(&mut self, node: Node, entry: Option<HeadOf>, recs: &mut R) {
+    /// What `node`'s parent inherits when `node` (with chain head `entry`) leaves the
+    /// queue. The parent, whose only child it was, may turn leaf and be pushed next, and its
+    /// walk is `node`'s without the first step, to the same head, while nothing a walk reads
+    /// has changed since `node`'s walk: no node became or stopped being single-child (the
+    /// records' shape version) and no shortcut came or went (the epoch). [`Self::head`] takes
+    /// it then (checking that the parent is a leaf). Evicting a chain leaf by leaf walks it
+    /// once, not once per block.
+    fn heir<R: Records + ?Sized>(
+        &self,
+        node: Node,
+        entry: HeadOf,
+        recs: &R,
+    ) -> Option<(i64, HeadOf)> {
+        let parent = recs.parent(node)?;
+        let unchanged = entry.epoch == self.epoch && recs.shape_version() == Some(entry.shape);
+        (entry.steps > 0 && unchanged).then(|| {
+            let steps = entry.steps - 1;
+            (recs.key(parent), HeadOf { steps, ..entry })
+        })
+    }
+
+    /// Let go of a walk no parent took.
+    fn drop_inherited<R: Records + ?Sized>(&mut self, recs: &mut R) {
         if let Some((_, stale)) = self.inherited.take() {
             recs.unhold(stale.head);
-        }
-        let Some(entry) = entry else { return };
-        match recs.parent(node) {
-            Some(parent)
-                if entry.steps > 0
-                    && entry.epoch == self.epoch
-                    && entry.shape != UNTRACKED
-                    && recs.shape_version() == Some(entry.shape) =>
-            {
-                let steps = entry.steps - 1;
-                self.inherited = Some((recs.key(parent), HeadOf { steps, ..entry }));
-            }
-            _ => recs.unhold(entry.head),
         }
     }
 
@@ -343,7 +352,7 @@ impl ReuseGapQueue {
         let shape = recs.shape_version().unwrap_or(UNTRACKED);
         let mut entry = None;
         if let Some((heir, walk)) = self.inherited.take() {
-            // The child's walk, still true (`pass_on`) if nothing changed since it left.
+            // The child's walk, still true (`heir`) if nothing changed since it left.
             if heir == key
                 && walk.shape == shape
                 && walk.epoch == self.epoch
