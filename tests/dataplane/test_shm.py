@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.dataplane.client import ChainGapError, TransferError
+from kvpool_agent.dataplane.client import ChainGapError, TransferConnectionError, TransferError
 from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, NotOnCuda, export_arena, local_index
 from kvpool_agent.dataplane.protocol import (
     F_ERROR,
@@ -112,6 +112,120 @@ def test_shm_put_then_get_round_trips_random_kv(shm_agent: ShmAgent) -> None:
         client.release(lease)
         client.release(lease)  # gone already: counts as released
     assert pinned(shm_agent) == 0
+
+
+def _count_requests(client: ShmClient) -> list[Op]:
+    """The ops ``client`` sends from now on (its connection's requests, in order)."""
+    sent: list[Op] = []
+    conn = client._conn
+    send = conn.send
+
+    def counting(op: Op, meta: dict[str, Any], data: Any = None) -> int:
+        sent.append(op)
+        return send(op, meta, data)
+
+    conn.send = counting  # type: ignore[method-assign]
+    return sent
+
+
+def test_one_read_of_a_lease_serves_every_range_and_layer(shm_agent: ShmAgent) -> None:
+    """The first GET_SHM of a lease names all of its blocks; the client's later reads of
+    other ranges and layers copy with no round trip, and end with its RELEASE."""
+    with shm_agent.shm() as client, shm_agent.client() as tcp:
+        keys = keys_for(31, 6)
+        kv = random_kv(tcp, 6, seed=31)
+        client.put(NS, keys, kv)
+        lease = client.lease(NS, keys, ttl_s=30)
+        assert lease is not None
+        sent = _count_requests(client)
+        part = client.empty_kv(3, layers=(1, 2))
+        client.get_into(lease, part, start=2, count=3, layers=(1, 2))
+        assert torch.equal(part[0], kv[0][1:2, 2:5])
+        whole = client.empty_kv(6)
+        client.get_into(lease, whole)
+        assert torch.equal(whole[0], kv[0])
+        tail = client.empty_kv(1)
+        client.get_into(lease, tail, start=5)
+        assert torch.equal(tail[0], kv[0][:, 5:])
+        assert sent == [Op.GET_SHM]
+        with pytest.raises(TransferError) as outside:  # checked as the agent checks it
+            client.get_into(lease, client.empty_kv(2), start=5, count=2)
+        assert outside.value.status == 422 and "outside the lease" in outside.value.reason
+        assert sent == [Op.GET_SHM] and pinned(shm_agent) == 6
+        client.release(lease)
+        assert pinned(shm_agent) == 0
+        with pytest.raises(TransferError) as gone:  # released: the next read asks again
+            client.get_into(lease, client.empty_kv(6))
+        assert gone.value.status == NOT_FOUND
+        assert sent == [Op.GET_SHM, Op.RELEASE, Op.GET_SHM]
+
+
+def test_a_read_names_each_pools_window(sock_dir: str) -> None:
+    """A whole-lease read of a sliding-window pool starts at the window, as a ranged one
+    must: blocks before it are refused (422) without asking the agent again."""
+    config = agent_config(
+        kv_cache_config={"tokens_per_block": TPB, "max_attention_window": [8, 1024]},
+        cpu_budget_bytes=1 << 20,
+    )
+    agent = ShmAgent(config, os.path.join(sock_dir, "agent.sock"))
+    try:
+        with agent.shm() as client, agent.client() as tcp:
+            keys = keys_for(32, 6)
+            kv = random_kv(tcp, 6, seed=32)
+            assert client.put(NS, keys, kv).stored == 6
+            lease = client.lease(NS, keys)
+            assert lease is not None
+            window = next(p.index for p in client.geometry().pools if p.window == 8)
+            first = lease.first_block[window]
+            assert first > 0
+            out = client.empty_kv(6 - first)
+            client.get_into(lease, out, start=first)
+            assert all(torch.equal(o, k[:, first:]) for o, k in zip(out, kv, strict=True))
+            sent = _count_requests(client)
+            with pytest.raises(TransferError) as err:
+                client.get_into(lease, client.empty_kv(6))
+            assert err.value.status == 422 and "window" in err.value.reason and not sent
+            client.release(lease)
+    finally:
+        agent.close()
+
+
+def test_a_read_on_a_connection_the_agent_closed_is_not_trusted(sock_dir: str) -> None:
+    """An idle connection the agent closed has lost its reads (the lease's blocks may
+    move): a later copy from the ids it held fails instead of returning what may be
+    someone else's KV."""
+    config = agent_config(transfer={"port": 0, "idle_timeout_s": 0.3})
+    agent = ShmAgent(config, os.path.join(sock_dir, "agent.sock"))
+    try:
+        with agent.shm() as client:
+            keys = keys_for(33, 3)
+            client.put(NS, keys, random_kv(client, 3, seed=33))
+            lease = client.lease(NS, keys, ttl_s=0.2)
+            assert lease is not None
+            client.get_into(lease, client.empty_kv(3))
+            deadline = time.monotonic() + 10
+            while pinned(agent) and time.monotonic() < deadline:
+                time.sleep(0.05)  # idle: the agent closes the connection, the read ends
+            assert pinned(agent) == 0
+            with pytest.raises(TransferConnectionError):
+                client.get_into(lease, client.empty_kv(3))
+            assert client.broken
+    finally:
+        agent.close()
+
+
+def test_a_partial_range_in_get_shm_is_malformed(shm_agent: ShmAgent) -> None:
+    with shm_agent.shm() as client:
+        keys = keys_for(34, 2)
+        client.put(NS, keys, random_kv(client, 2, seed=34))
+        lease = client.lease(NS, keys)
+        assert lease is not None
+        with pytest.raises(TransferError) as err:
+            client._request(Op.GET_SHM, {"lease": lease.lease_id, "start": 0})
+        assert err.value.status == 400 and "go together" in err.value.reason
+    # The malformed frame closed the connection before any read began: the lease alone
+    # pins the blocks.
+    assert [held.readers for held in shm_agent.service.leases.values()] == [0]
 
 
 def test_tcp_sees_what_shm_put_and_shm_sees_what_tcp_put(shm_agent: ShmAgent) -> None:

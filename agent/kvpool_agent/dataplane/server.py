@@ -1133,8 +1133,20 @@ class Connection:
         await self._send(_Reply(_reply(header, out), fds=[server.shared_fd]))
 
     async def _get_shm(self, header: Header, meta: dict[str, Any]) -> None:
-        _fields(meta, "GET_SHM", required={"lease", "start", "count"}, optional={"layers"})
-        lease_id, start, count = _uint(meta, "lease"), _uint(meta, "start"), _uint(meta, "count")
+        _fields(meta, "GET_SHM", required={"lease"}, optional={"start", "count", "layers"})
+        lease_id = _uint(meta, "lease")
+        # Without a range the read names every block the lease holds, in every pool: a
+        # client keeps those ids for as long as its read lasts (until it releases) and asks
+        # nothing more for the lease's other ranges and layers.
+        whole = "start" not in meta and "count" not in meta and "layers" not in meta
+        if not whole and ("start" not in meta or "count" not in meta):
+            raise ProtocolError(
+                BAD_FRAME,
+                "GET_SHM: meta.start and meta.count go together (neither, and no layers: "
+                "the whole lease)",
+            )
+        start = None if whole else _uint(meta, "start")
+        count = 0 if whole else _uint(meta, "count")
         layers = _layer_range(meta, len(self.service.engine.plan.layer_pool))
         memory = self.server.memory
         chosen = [m.layout.index for m in memory if m.layout.selected(layers)]
@@ -1142,7 +1154,11 @@ class Connection:
         lease, ids = await self.service.begin_read(self.principal, lease_id, start, count, chosen)
         self.reads.setdefault(lease_id, []).append(lease)
         blocks = [_id_bytes(ids.get(m.layout.index, [])) for m in memory]
-        await self._send(_Reply(_reply(header, {"count": count, "blocks": blocks})))
+        out: dict[str, Any] = {"count": lease.blocks if whole else count, "blocks": blocks}
+        if whole:
+            tpb = lease.handle.tokens_per_block
+            out["first_block"] = [t // tpb for t in lease.handle.first_token]
+        await self._send(_Reply(_reply(header, out)))
 
     async def _put_shm(self, header: Header, meta: dict[str, Any]) -> None:
         ns, keys, first, priority = _store_fields(meta, "PUT_SHM", {"ttl"})

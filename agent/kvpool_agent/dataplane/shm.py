@@ -9,8 +9,9 @@ handle). Requests then carry block ids only:
     lease = client.lease(ns, keys, ttl_s=10)
     if lease is not None:
         kv = client.empty_kv(lease.count)
-        client.get_into(lease, kv)        # GET_SHM names the blocks; we copy them out
-        client.release(lease)             # ends the reads: the blocks may move again
+        client.get_into(lease, kv)        # GET_SHM names the lease's blocks; we copy them
+        client.get_into(lease, kv_part, start=2, count=1, layers=(0, 8))  # the same ids
+        client.release(lease)             # ends the read: the blocks may move again
     client.put(ns, keys, new_kv, first=n)  # PUT_SHM reserves, we copy in, COMMIT
     client.put_many(ns, [(keys_a, kv_a), (keys_b, kv_b)])  # the same, pipelined
 
@@ -19,10 +20,11 @@ scatter/gather copy (``kvpool_native.copy_spans``: one piece per layer per block
 mapping at the agent's paged layout and the caller's contiguous tensor, streaming stores past
 1 MiB, no GIL held); without the compiled core, and for a CUDA arena, torch copies do it (an
 ``index_select`` per layer for a read, a slice copy per block for a write). The agent's blocks
-are only guaranteed for as long as the lease or reservation is held: a read must be done
-before RELEASE (or the lease's expiry), a write before COMMIT (or the reservation's expiry,
-after which the blocks may belong to someone else). A client is one connection; its calls
-are serialized (make one per thread for parallel copies).
+are only guaranteed for as long as the read or reservation is held: a read must be done
+before RELEASE on this connection (the agent ends a connection's reads when it closes it,
+which each copy from held ids checks for afterwards), a write before COMMIT (or the
+reservation's expiry, after which the blocks may belong to someone else). A client is one
+connection; its calls are serialized (make one per thread for parallel copies).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from kvpool_agent.dataplane.client import (
 )
 from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, open_arena
 from kvpool_agent.dataplane.keys import KeyNamespace
-from kvpool_agent.dataplane.protocol import NOT_FOUND, Op, PoolLayout
+from kvpool_agent.dataplane.protocol import INVALID, NOT_FOUND, Op, PoolLayout
 
 try:
     from kvpool_native import copy_spans as _copy_spans
@@ -107,6 +109,33 @@ def pool_views(
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What a whole-lease GET_SHM named: per pool, the primary ids of the blocks the lease
+    holds from the pool's first block (sliding-window pools start past 0)."""
+
+    count: int
+    first_block: list[int]
+    ids: list[np.ndarray]
+
+    def range(self, pool: int, start: int, count: int) -> np.ndarray:
+        """Ids of blocks ``[start, start + count)`` of ``pool``, checked as the agent checks
+        a ranged GET_SHM (422 outside the lease or before the pool's window)."""
+        if count < 1 or start < 0 or start + count > self.count:
+            raise TransferError(
+                INVALID,
+                f"blocks [{start}, {start + count}) are outside the lease's {self.count} blocks",
+            )
+        first = self.first_block[pool]
+        if start < first:
+            raise TransferError(
+                INVALID,
+                f"pool {pool}: blocks before {first} are outside its attention window "
+                f"(the lease holds blocks {first}..{self.count - 1} of it)",
+            )
+        return self.ids[pool][start - first : start - first + count]
 
 
 @dataclass(frozen=True)
@@ -186,6 +215,10 @@ class ShmClient:
         self._conn = _Connection(path, token, timeout, connect_timeout, False, sock=sock)
         self._geometry: Geometry = self._conn.geometry
         self._lock = threading.Lock()
+        self._reading: dict[int, _Read] = {}
+        """The leases this connection reads (its first GET_SHM of each named every block
+        the lease holds), by lease id: pinned for the read until this client releases them,
+        so later reads of other ranges and layers need no round trip."""
         self._mapping: mmap.mmap | None = None
         self._arena_id: tuple[object, ...] | None = None
         self.arena: torch.Tensor | None = None
@@ -284,6 +317,7 @@ class ShmClient:
     def close(self) -> None:
         """Close the connection: the agent ends this client's reads and aborts its
         uncommitted reservations. The mapping goes when the last tensor over it does."""
+        self._reading.clear()
         self._conn.close()
 
     @property
@@ -355,6 +389,7 @@ class ShmClient:
 
     def release(self, lease: Lease) -> None:
         """Release a lease and end this client's reads of it (one gone counts as done)."""
+        self._reading.pop(lease.lease_id, None)
         try:
             self._request(Op.RELEASE, {"lease": lease.lease_id})
         except TransferError as err:
@@ -379,39 +414,69 @@ class ShmClient:
         count = lease.count - start if count is None else count
         geo = self._geometry
         targets = _per_pool(dst, geo)
-        meta: dict[str, Any] = {"lease": lease.lease_id, "start": start, "count": count}
-        if layers is not None:
-            meta["layers"] = [layers[0], layers[1]]
         for p, target in zip(geo.pools, targets, strict=True):
             shape = geo.kv_shape(p.index, count, layers)
             if shape[0] and target is None:
                 raise ValueError(f"dst: pool {p.index} has selected layers but no tensor")
             if shape[0] and target is not None:
                 _check(target, shape, TORCH_DTYPES[p.dtype], f"dst[{p.index}]")
-        reply = self._request(Op.GET_SHM, meta)
-        for p, target, raw in zip(geo.pools, targets, reply["blocks"], strict=True):
-            selected = p.selected(layers)
-            if not selected or target is None:
-                continue
-            if self._compiled:
-                self._gather(p.index, selected, np.frombuffer(raw, dtype="<i4"), target)
-                continue
-            # One gather per layer, of rows that are each one contiguous [layer, block] slice:
-            # torch copies those row by row (a gather over the whole strided 6-d view takes an
-            # element-wise path, measured ~100x slower).
-            view = self.views[p.index].flatten(2)
-            ids = _ids(raw).to(view.device)
-            direct = target.device == view.device and target.is_contiguous()
-            out = target.view(len(selected), count, -1) if direct else None
-            for i, layer in enumerate(selected):
-                if out is not None:
-                    torch.index_select(view[layer], 0, ids, out=out[i])
-                else:
-                    target[i].copy_(view[layer].index_select(0, ids).view(target.shape[1:]))
-        if arena.device.type == "cuda":
-            # The copies were queued on this thread's stream: wait for them, not for the
-            # engine's kernels on its other streams.
-            torch.cuda.current_stream(arena.device).synchronize()
+        # Under the connection's lock: no other call's reply can arrive while the copy
+        # runs, so a readable socket afterwards can only mean the agent closed it.
+        with self._lock:
+            read = self._read(lease)
+            for p, target in zip(geo.pools, targets, strict=True):
+                selected = p.selected(layers)
+                if selected and target is not None:
+                    self._copy_out(p.index, selected, read.range(p.index, start, count), target)
+            if arena.device.type == "cuda":
+                # The copies were queued on this thread's stream: wait for them, not for the
+                # engine's kernels on its other streams.
+                torch.cuda.current_stream(arena.device).synchronize()
+            if not self._conn.alive():
+                # The agent ends a connection's reads only after closing it: open now, the
+                # blocks stayed pinned through the copy; closed, they may have moved.
+                self._reading.clear()
+                self._conn.close()
+                raise TransferConnectionError(
+                    f"{self.path}: the agent closed the connection, its reads ended; "
+                    "what was copied may be stale",
+                    request_sent=True,
+                )
+
+    def _read(self, lease: Lease) -> _Read:
+        """This connection's read of ``lease`` (the lock held): the first call takes it
+        (GET_SHM of the whole lease), later ones reuse its block ids."""
+        read = self._reading.get(lease.lease_id)
+        if read is None:
+            reply = self._conn.request(Op.GET_SHM, {"lease": lease.lease_id})[1]
+            read = _Read(
+                int(reply["count"]),
+                [int(x) for x in reply["first_block"]],
+                [np.frombuffer(raw, dtype="<i4") for raw in reply["blocks"]],
+            )
+            self._reading[lease.lease_id] = read
+        return read
+
+    def _copy_out(
+        self, pool: int, layers: list[int], block_ids: np.ndarray, target: torch.Tensor
+    ) -> None:
+        """Blocks ``block_ids`` of ``pool``, in ``layers``, out of the mapping into
+        ``target``."""
+        if self._compiled:
+            self._gather(pool, layers, block_ids, target)
+            return
+        # One gather per layer, of rows that are each one contiguous [layer, block] slice:
+        # torch copies those row by row (a gather over the whole strided 6-d view takes an
+        # element-wise path, measured ~100x slower).
+        view = self.views[pool].flatten(2)
+        ids = torch.from_numpy(block_ids.astype(np.int64)).to(view.device)
+        direct = target.device == view.device and target.is_contiguous()
+        out = target.view(len(layers), len(block_ids), -1) if direct else None
+        for i, layer in enumerate(layers):
+            if out is not None:
+                torch.index_select(view[layer], 0, ids, out=out[i])
+            else:
+                target[i].copy_(view[layer].index_select(0, ids).view(target.shape[1:]))
 
     def _gather(self, pool: int, layers: list[int], ids: np.ndarray, target: torch.Tensor) -> None:
         """Blocks ``ids`` of the mapping, in ``layers``, into ``target`` (``[layers, blocks,

@@ -764,14 +764,31 @@ class AgentService:
         return await self.call(run)
 
     async def begin_read(
-        self, principal: Principal, lease_id: int, start: int, count: int, pools: list[int]
+        self,
+        principal: Principal,
+        lease_id: int,
+        start: int | None,
+        count: int,
+        pools: list[int],
     ) -> tuple[Lease, dict[int, list[int]]]:
         """Primary block ids of blocks ``[start, start + count)`` of a lease in each of
-        ``pools``, looked up in the same lock hold as the ownership check; the lease's blocks
+        ``pools`` (``start`` None: every block the lease holds in each pool, from the pool's
+        first), looked up in the same lock hold as the ownership check; the lease's blocks
         stay pinned until ``end_read``, even if the lease is released or expires meanwhile."""
 
         def run() -> tuple[Lease, dict[int, list[int]]]:
             lease = self._owned_lease(principal, lease_id)
+            if start is None:
+                handle = lease.handle
+                tpb = handle.tokens_per_block
+                held = {
+                    pool: list(
+                        handle.block_tables[pool][: lease.blocks - handle.first_token[pool] // tpb]
+                    )
+                    for pool in pools
+                }
+                lease.readers += 1
+                return lease, held
             if count < 1 or start < 0 or start + count > lease.blocks:
                 raise RequestError(
                     422,
