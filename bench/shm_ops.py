@@ -4,8 +4,12 @@ agent, and a memcpy of the same bytes by as many threads, alternating, a ratio p
 The full benchmark runs every row after the others, with the agent busy from the rows before;
 this runs one row on a fresh agent, for comparing two versions of the client or the agent
 back to back (a worktree's packages first on ``PYTHONPATH``: the agent process inherits it).
+``--op ping`` times instead what one same-node round trip costs: PINGs back to back, and
+PINGs each after a memcpy of a request's bytes (the agent idle meanwhile, as it is while an
+engine copies), p50 and p90.
 
     python bench/shm_ops.py --payload 2MiB --op get --clients 1 [--rounds 3] [--seconds 2]
+    python bench/shm_ops.py --op ping
 """
 
 from __future__ import annotations
@@ -13,10 +17,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
-from transfer import GEOMETRIES, TPB, AgentProcess, bench_memcpy_threads, bench_shm
+from transfer import GEOMETRIES, TPB, AgentProcess, bench_memcpy_threads, bench_shm, memcpy_fn
+
+from kvpool_agent.dataplane.shm import ShmClient
 
 console = Console()
 
@@ -24,7 +32,8 @@ console = Console()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--payload", choices=sorted(GEOMETRIES), default="2MiB")
-    parser.add_argument("--op", choices=("put", "put_many", "get"), default="get")
+    parser.add_argument("--op", choices=("put", "put_many", "get", "ping"), default="get")
+    parser.add_argument("--pings", type=int, default=2000, help="per case, with --op ping")
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -38,6 +47,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         agent = AgentProcess(Path(tmp), model, max(512 << 20, 16 * nbytes), None)
         try:
+            if args.op == "ping":
+                ping_after_copies(agent.unix_socket, nbytes, args.pings)
+                return
             for r in range(args.rounds):
                 memcpy = bench_memcpy_threads(nbytes, args.clients, args.seconds) / 1e9
                 shm = bench_shm(agent.unix_socket, args.op, args.clients, blocks, args.seconds, r)
@@ -49,6 +61,25 @@ def main() -> None:
         finally:
             agent.stop()
     console.print(f"median ratio {statistics.median(ratios):.2f}")
+
+
+def ping_after_copies(path: str, nbytes: int, pings: int) -> None:
+    """PING round trips back to back, then each after a memcpy of ``nbytes``."""
+    copy = memcpy_fn()[1]
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty(nbytes, np.uint8)
+    with ShmClient(path, map_arena=False) as client:
+        for case in ("back to back", "after a memcpy"):
+            times = []
+            for _ in range(pings):
+                if case == "after a memcpy":
+                    copy(dst, src)
+                start = time.perf_counter()
+                client.ping()
+                times.append(time.perf_counter() - start)
+            times.sort()
+            p50, p90 = times[len(times) // 2], times[int(len(times) * 0.9)]
+            console.print(f"PING {case}: p50 {p50 * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
