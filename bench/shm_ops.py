@@ -22,7 +22,14 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from transfer import GEOMETRIES, TPB, AgentProcess, bench_memcpy_threads, bench_shm, memcpy_fn
+from transfer import (
+    GEOMETRIES,
+    AgentProcess,
+    bench_memcpy_threads,
+    bench_shm,
+    memcpy_fn,
+    request_blocks,
+)
 
 from kvpool_agent.dataplane.shm import ShmClient
 
@@ -40,8 +47,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=16, help="blocks per request (2 MiB)")
     args = parser.parse_args()
     model = GEOMETRIES[args.payload]
-    block = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * TPB * 2
-    blocks = args.blocks * ((2 << 20) // block)
+    block, blocks = request_blocks(model, args.blocks)
     nbytes = block * blocks
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:

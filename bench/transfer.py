@@ -171,6 +171,14 @@ class Row:
         return statistics.median(s / m for s, m in pairs)
 
 
+def request_blocks(model: dict[str, Any], blocks_2mib: int) -> tuple[int, int]:
+    """A block's bytes in ``model``'s geometry (bf16, ``TPB`` tokens), and how many of them
+    carry the bytes of ``blocks_2mib`` 2 MiB blocks: every geometry moves the same bytes per
+    request."""
+    block = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * TPB * 2
+    return block, blocks_2mib * ((2 << 20) // block)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -501,8 +509,7 @@ def main() -> None:
     lookup: dict[str, Any] = {}
     plans = []
     for name, model in GEOMETRIES.items():
-        block = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * TPB * 2
-        blocks = args.blocks * ((2 << 20) // block)  # same bytes per request for both
+        block, blocks = request_blocks(model, args.blocks)
         plans.append((name, model, block, blocks))
     steps = len(plans) * 2 * (4 + 5) * args.rounds + 1
     with Progress(console=console, transient=True) as bar, tempfile.TemporaryDirectory() as tmp:

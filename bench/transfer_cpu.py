@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.table import Table
 from transfer import (  # bench/transfer.py
     GEOMETRIES,
-    TPB,
     AgentProcess,
     RawServer,
     bench_protocol,
     bench_raw,
+    request_blocks,
 )
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -57,8 +57,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     model = GEOMETRIES[args.payload]
-    block = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * TPB * 2
-    blocks = args.blocks * ((2 << 20) // block)
+    block, blocks = request_blocks(model, args.blocks)
     nbytes = block * blocks
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,7 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from transfer import GEOMETRIES, TPB, AgentProcess, bench_protocol, bench_shm  # bench/transfer.py
+from transfer import (  # bench/transfer.py
+    GEOMETRIES,
+    AgentProcess,
+    bench_protocol,
+    bench_shm,
+    request_blocks,
+)
 
 OPS = ("put", "get")
 PLUMBING = ("Thread._bootstrap", "Thread.run", "_run_code", "_run_module_as_main", "<module>")
@@ -73,8 +79,7 @@ def main() -> None:
     if spy is None:
         raise SystemExit("py-spy is not on PATH: pip install py-spy")
     model = GEOMETRIES[args.payload]
-    block = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * TPB * 2
-    blocks = args.blocks * ((2 << 20) // block)
+    block, blocks = request_blocks(model, args.blocks)
     nbytes = block * blocks
     with tempfile.TemporaryDirectory() as tmp:
         agent = AgentProcess(Path(tmp), model, max(512 << 20, 16 * nbytes), None)
