@@ -1083,12 +1083,11 @@ class Connection:
         lease, tiers = await self.service.lease_keys(self.principal, _ns(meta), _keys(meta), ttl)
         out: dict[str, Any] = {"lease": 0, "count": 0, "tiers": [], "first_block": []}
         if lease is not None:
-            tpb = lease.handle.tokens_per_block
             out = {
                 "lease": lease.public_id,
                 "count": lease.blocks,
                 "tiers": tiers,
-                "first_block": [t // tpb for t in lease.handle.first_token],
+                "first_block": lease.first_blocks,
                 "ttl": lease.ttl_s,
             }
         await self._send(_Reply(_reply(header, out)))
@@ -1156,8 +1155,7 @@ class Connection:
         blocks = [_id_bytes(ids.get(m.layout.index, [])) for m in memory]
         out: dict[str, Any] = {"count": lease.blocks if whole else count, "blocks": blocks}
         if whole:
-            tpb = lease.handle.tokens_per_block
-            out["first_block"] = [t // tpb for t in lease.handle.first_token]
+            out["first_block"] = lease.first_blocks
         await self._send(_Reply(_reply(header, out)))
 
     async def _put_shm(self, header: Header, meta: dict[str, Any]) -> None:

@@ -257,12 +257,11 @@ def create_app(
         if lease is None:
             response.status_code = 200
             return LeaseResponse(lease_id=None, count=0, tiers=[], first_block=[], ttl_s=None)
-        tpb = lease.handle.tokens_per_block
         return LeaseResponse(
             lease_id=lease.public_id,
             count=lease.blocks,
             tiers=tiers,
-            first_block=[t // tpb for t in lease.handle.first_token],
+            first_block=lease.first_blocks,
             ttl_s=lease.ttl_s,
         )
 

@@ -121,6 +121,13 @@ class Lease:
     """Reads (GETs) streaming out of the blocks now; the engine release waits for them."""
     closing: bool = False
 
+    @property
+    def first_blocks(self) -> list[int]:
+        """Per pool, the first leased block readable there (a sliding-window pool holds
+        only the blocks its window at the end of the prefix needs)."""
+        tpb = self.handle.tokens_per_block
+        return [t // tpb for t in self.handle.first_token]
+
 
 @dataclass
 class Store:
@@ -778,15 +785,10 @@ class AgentService:
 
         def run() -> tuple[Lease, dict[int, list[int]]]:
             lease = self._owned_lease(principal, lease_id)
+            firsts = lease.first_blocks
+            tables = lease.handle.block_tables
             if start is None:
-                handle = lease.handle
-                tpb = handle.tokens_per_block
-                held = {
-                    pool: list(
-                        handle.block_tables[pool][: lease.blocks - handle.first_token[pool] // tpb]
-                    )
-                    for pool in pools
-                }
+                held = {pool: list(tables[pool][: lease.blocks - firsts[pool]]) for pool in pools}
                 lease.readers += 1
                 return lease, held
             if count < 1 or start < 0 or start + count > lease.blocks:
@@ -795,19 +797,16 @@ class AgentService:
                     f"blocks [{start}, {start + count}) are outside the lease's "
                     f"{lease.blocks} blocks",
                 )
-            handle = lease.handle
-            tpb = handle.tokens_per_block
             ids = {}
             for pool in pools:
-                first = handle.first_token[pool] // tpb
+                first = firsts[pool]
                 if start < first:
                     raise RequestError(
                         422,
                         f"pool {pool}: blocks before {first} are outside its attention window "
                         f"(the lease holds blocks {first}..{lease.blocks - 1} of it)",
                     )
-                table = handle.block_tables[pool]
-                ids[pool] = list(table[start - first : start - first + count])
+                ids[pool] = list(tables[pool][start - first : start - first + count])
             lease.readers += 1
             return lease, ids
 
