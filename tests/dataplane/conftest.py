@@ -4,6 +4,7 @@ in-process on its own event loop thread, so blocking clients and raw sockets can
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import socket
 import struct
@@ -284,3 +285,25 @@ def header_bytes(
     op: int, rid: int, meta_len: int, data_len: int, *, magic: bytes = b"KVPX", version: int = 1
 ) -> bytes:
     return struct.pack("<4sBBHQIIQ", magic, version, op, 0, rid, meta_len, 0, data_len)
+
+
+SMAPS = Path("/proc/self/smaps")
+advice_works = pytest.mark.skipif(
+    not SMAPS.exists()
+    or not hasattr(mmap, "MADV_HUGEPAGE")
+    or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="needs Linux with transparent huge pages (procfs, MADV_HUGEPAGE)",
+)
+
+
+def vm_flags(address: int) -> set[str]:
+    """The ``VmFlags`` of the mapping holding ``address`` in this process."""
+    inside = False
+    for line in SMAPS.read_text().splitlines():
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            inside = int(lo, 16) <= address < int(hi, 16)
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -36,7 +37,19 @@ from kvpool_agent.dataplane.shm import ShmClient
 from kvpool_agent.server.metrics import AgentMetrics
 from kvpool_agent.server.service import AgentService
 
-from .conftest import NS, TOKENS, TPB, Agent, Raw, agent_config, keys_for, random_kv, write_auth
+from .conftest import (
+    NS,
+    TOKENS,
+    TPB,
+    Agent,
+    Raw,
+    advice_works,
+    agent_config,
+    keys_for,
+    random_kv,
+    vm_flags,
+    write_auth,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("data_path")]
 
@@ -757,3 +770,30 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@advice_works
+def test_the_shared_arena_and_an_engines_mapping_are_advised(
+    sock_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvpool.agent.transfer")
+    agent = ShmAgent(agent_config(), os.path.join(sock_dir, "agent.sock"))
+    try:
+        # The agent says what backs the arena it shares (4 KiB pages, or how much is huge).
+        said = [r.getMessage() for r in caplog.records if "same-node arena" in r.getMessage()]
+        assert len(said) == 1 and ("4 KiB pages" in said[0] or "2 MiB pages" in said[0])
+        primary = agent.service.engine.storage[0]
+        assert primary.shared_fd is not None
+        assert "hg" in vm_flags(primary.arena.data_ptr())  # the agent's memfd mapping
+        with agent.shm() as client:
+            assert client.arena is not None
+            flags = vm_flags(client.arena.data_ptr())
+            assert {"sh", "hg"} <= flags  # shared, and advised
+        text = generate_latest(AgentMetrics(agent.service).registry).decode()
+        for tier, storage in zip(
+            ("primary", "secondary"), agent.service.engine.storage, strict=True
+        ):
+            line = f'kvpool_cache_arena_huge_page_bytes{{tier="{tier}"}} '
+            assert line + f"{float(storage.huge_page_bytes)}" in text
+    finally:
+        agent.close()

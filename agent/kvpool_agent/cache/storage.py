@@ -1,7 +1,8 @@
 """The memory behind each tier: one byte arena, seen by every pool as a paged KV tensor.
 
 A tier is one flat allocation (CUDA memory for the primary tier when present, otherwise CPU;
-pinned host memory for the secondary tier on CUDA machines). Each pool sees the whole arena
+pinned host memory for the secondary tier on CUDA machines; CPU memory advised for 2 MiB
+pages, ``kvpool_agent/hugepages.py``). Each pool sees the whole arena
 through a strided view in the layout the kernels read (``kvpool_kernels``, flashinfer's NHD
 paged layout, layer-major):
 
@@ -22,6 +23,7 @@ import os
 import torch
 
 from kvpool_agent.cache.sizing import PoolPlan, PoolSpec, TierPlan
+from kvpool_agent.hugepages import advise_huge_pages, huge_page_bytes
 from kvpool_kernels.copy import copy_blocks
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -41,7 +43,13 @@ class TierStorage:
         self.tier = tier
         self.device = device
         nbytes = tier.arena_bytes
-        if device.type == "cpu":
+        self._mapping: mmap.mmap | None = None
+        if device.type == "cpu" and not pin and nbytes > 0:
+            self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            advise_huge_pages(self._mapping)
+            self.arena = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
+            self.arena.zero_()  # committed up front, as torch.zeros did (and its pages huge)
+        elif device.type == "cpu":
             self.arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin and nbytes > 0)
         else:
             self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -49,7 +57,7 @@ class TierStorage:
         """One paged tensor per pool, indexed by the pool's index."""
         self.shared_fd: int | None = None
         """The memfd behind the arena once ``share`` moved it there (None: private memory)."""
-        self._mapping: mmap.mmap | None = None
+        self._huge_bytes: int | None = None
 
     def share(self) -> int:
         """Move a CPU arena into a memfd and return its fd, so that a same-node engine can
@@ -70,6 +78,7 @@ class TierStorage:
         try:
             os.ftruncate(fd, max(nbytes, 1))
             mapping = mmap.mmap(fd, max(nbytes, 1))
+            advise_huge_pages(mapping)  # before the copy below faults the pages in
         except BaseException:
             os.close(fd)
             raise
@@ -82,7 +91,17 @@ class TierStorage:
             self.views = [self._pool_view(p) for p in self.plan.pools]
         self._mapping = mapping
         self.shared_fd = fd
+        self._huge_bytes = None  # other memory now
         return fd
+
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of a host arena that 2 MiB pages back (``advise_huge_pages``; 0 on a GPU),
+        read from the kernel once (a read of ``/proc/self/smaps`` walks the mapping)."""
+        if self._huge_bytes is None:
+            on_host = self.device.type == "cpu" and self.nbytes > 0
+            self._huge_bytes = huge_page_bytes(self.arena.data_ptr(), self.nbytes) if on_host else 0
+        return self._huge_bytes
 
     @property
     def nbytes(self) -> int:

@@ -84,6 +84,7 @@ from kvpool_agent.dataplane.protocol import (
     unpack_header,
     unpack_meta,
 )
+from kvpool_agent.hugepages import shmem_setting
 from kvpool_agent.server.service import (
     AgentService,
     Lease,
@@ -197,6 +198,7 @@ class TransferServer:
         view or pointer into the arena is taken below."""
         if self.unix_path is not None and engine.device.type == "cpu":
             self.shared_fd = engine.storage[0].share()
+            _log_pages(engine.storage[0].nbytes, engine.storage[0].huge_page_bytes)
         self.direct = engine.device.type == "cpu"
         """Pools in CPU memory are read and written in place; else staged (tests may turn
         this off on a CPU agent to exercise the staged path)."""
@@ -503,6 +505,21 @@ def _recv_blocking(
         if n == 0:
             raise ConnectionClosed("peer closed the connection")
         cursor.advance(n, batch)
+
+
+def _log_pages(nbytes: int, huge: int) -> None:
+    """Say what pages back the shared arena: 4 KiB pages make scattered same-node copies
+    slower, and it takes a node setting to change (docs/dataplane.md, "Huge pages")."""
+    if huge >= nbytes // 2:
+        log.info("same-node arena: %d MiB, %d MiB of it in 2 MiB pages", nbytes >> 20, huge >> 20)
+        return
+    setting = shmem_setting()
+    log.info(
+        "same-node arena: %d MiB in 4 KiB pages (transparent_hugepage/shmem_enabled: %s); "
+        "scattered copies into it are slower than into 2 MiB pages, see docs/dataplane.md",
+        nbytes >> 20,
+        setting or "unknown",
+    )
 
 
 def _pump_blocking(

@@ -56,6 +56,7 @@ from kvpool_agent.dataplane.client import (
 from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, open_arena
 from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.dataplane.protocol import INVALID, NOT_FOUND, Op, PoolLayout
+from kvpool_agent.hugepages import MADV_POPULATE_WRITE, advise_huge_pages
 
 try:
     from kvpool_native import copy_spans as _copy_spans
@@ -169,6 +170,22 @@ def _host_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def _map_shared(fd: int, size: int) -> mmap.mmap:
+    """The agent's memfd, mapped shared, advised for huge pages where the agent's are
+    (``advise_huge_pages``: a scattered copy with 4 KiB pages pays a TLB miss every few
+    KiB), and populated up front: a first write to each page of a shared mapping faults,
+    which made puts into fresh blocks several times slower than memcpy."""
+    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    advise_huge_pages(mapping)
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # before Linux 5.14: map it again, populated by mmap itself
+        mapping.close()
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        advise_huge_pages(mapping)
+    return mapping
+
+
 def _arena_identity(reply: dict[str, Any], fds: list[int]) -> tuple[object, ...]:
     """What names the arena a MAP reply hands over: its memfd's inode, or its IPC handle."""
     if reply.get("kind") == "cuda":
@@ -244,10 +261,7 @@ class ShmClient:
             else:
                 if reply.get("kind") != "memfd" or len(fds) != 1:
                     raise TransferError(502, "map: the agent sent no memfd")
-                # Populated up front: a first write to each page of a shared mapping faults,
-                # which made puts into fresh blocks several times slower than memcpy.
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._mapping = mmap.mmap(fds[0], max(size, 1), flags=flags)
+                self._mapping = _map_shared(fds[0], max(size, 1))
                 arena = torch.frombuffer(self._mapping, dtype=torch.uint8, count=size)
         finally:
             for fd in fds:  # the mapping holds its own reference

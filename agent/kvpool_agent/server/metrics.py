@@ -151,6 +151,15 @@ class CacheCollector(Collector):
             free.add_metric(labels, float(row["blocks_free"]))
             pinned.add_metric(labels, float(row["blocks_pinned"]))
         yield from (used, total, free, pinned)
+        huge = GaugeMetricFamily(
+            "kvpool_cache_arena_huge_page_bytes",
+            "Bytes of the tier's host arena backed by 2 MiB pages (0: 4 KiB pages, or a GPU "
+            "tier); scattered copies into 4 KiB pages run slower (docs/dataplane.md).",
+            labels=["tier"],
+        )
+        for tier, storage in zip(TIERS, engine.storage, strict=True):
+            huge.add_metric([tier], float(storage.huge_page_bytes))
+        yield huge
         yield GaugeMetricFamily(
             "kvpool_sequences_open", "Sequences open now.", value=engine.num_open_sequences
         )
