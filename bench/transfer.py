@@ -196,17 +196,21 @@ class AgentProcess:
         budget: int,
         policy: str | None,
         device: str = "cpu",
+        tokens_per_block: int = TPB,
     ) -> None:
         self.port, self.transfer = free_port(), free_port()
-        cache: dict[str, Any] = {"tokens_per_block": TPB, "enable_partial_reuse": False}
+        cache: dict[str, Any] = {
+            "tokens_per_block": tokens_per_block,
+            "enable_partial_reuse": False,
+        }
         if policy is not None:
             cache["eviction_policy"] = policy
         sizing: dict[str, Any] = {"cpu_budget_bytes": budget}
         if device == "cuda":
             assert model["dtype"] == "bfloat16"  # every geometry here
             heads, dim = model["num_kv_heads"], model["head_dim"]
-            block_bytes = 2 * model["num_layers"] * heads * dim * TPB * 2
-            cache["max_tokens"] = budget // block_bytes * TPB
+            block_bytes = 2 * model["num_layers"] * heads * dim * tokens_per_block * 2
+            cache["max_tokens"] = budget // block_bytes * tokens_per_block
             sizing = {}
         doc = {
             "model": model,
