@@ -4,11 +4,11 @@ where a request's blocks lie in it.
 A same-node PUT (``ShmClient.write``) copies one piece per layer per block from the engine's
 layer-major tensor into the blocks the agent reserved, each block's layers side by side in
 the arena (``cache/storage.py``), layer by layer; a GET (``ShmClient._gather``) copies them
-back out block by block. In a fresh arena a request's
-blocks are consecutive; in a cache that has run for a while they are wherever the evictions
-freed them, so consecutive pieces land on different pages, and with 4 KiB pages every few
-KiB is a TLB miss. This times both directions (``--layers`` x ``--blocks`` pieces of
-``--piece`` bytes, the source or destination a torch tensor as an engine's is) for each arena:
+back out block by block. In a fresh arena a request's blocks are consecutive; in a cache
+that has run for a while they are wherever the evictions freed them, so consecutive pieces
+land on different pages, and with 4 KiB pages every few KiB is a TLB miss. This times both
+directions (``--layers`` x ``--blocks`` pieces of ``--piece`` bytes, the source or
+destination a torch tensor as an engine's is) for each arena:
 
 - ``memfd``: the shared arena as the agent made it before it advised huge pages;
 - ``memfd advised``: as it makes it now (``advise_huge_pages``): 2 MiB pages only where the
