@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,25 @@ class PoolLayout:
             tokens_per_block=int(doc["tokens_per_block"]),
             window=None if doc.get("window") is None else int(doc["window"]),
         )
+
+
+def lease_range_error(
+    start: int, count: int, blocks: int, first_block: Sequence[int], pools: Iterable[int]
+) -> str | None:
+    """Why blocks ``[start, start + count)`` of a lease of ``blocks`` blocks cannot be read in
+    ``pools`` (None: they can): outside the lease, or before a pool's first held block (a
+    sliding-window pool's ``first_block``). The agent refuses such a read with 422, and
+    ``ShmClient`` the same range of ids it holds, without asking."""
+    if count < 1 or start < 0 or start + count > blocks:
+        return f"blocks [{start}, {start + count}) are outside the lease's {blocks} blocks"
+    for pool in pools:
+        first = first_block[pool]
+        if start < first:
+            return (
+                f"pool {pool}: blocks before {first} are outside its attention window "
+                f"(the lease holds blocks {first}..{blocks - 1} of it)"
+            )
+    return None
 
 
 def data_bytes(

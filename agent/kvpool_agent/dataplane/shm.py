@@ -55,7 +55,13 @@ from kvpool_agent.dataplane.client import (
 )
 from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, open_arena
 from kvpool_agent.dataplane.keys import KeyNamespace
-from kvpool_agent.dataplane.protocol import INVALID, NOT_FOUND, Op, PoolLayout
+from kvpool_agent.dataplane.protocol import (
+    INVALID,
+    NOT_FOUND,
+    Op,
+    PoolLayout,
+    lease_range_error,
+)
 from kvpool_agent.hugepages import MADV_POPULATE_WRITE, advise_huge_pages
 
 try:
@@ -124,19 +130,11 @@ class _Read:
     def range(self, pool: int, start: int, count: int) -> np.ndarray:
         """Ids of blocks ``[start, start + count)`` of ``pool``, checked as the agent checks
         a ranged GET_SHM (422 outside the lease or before the pool's window)."""
-        if count < 1 or start < 0 or start + count > self.count:
-            raise TransferError(
-                INVALID,
-                f"blocks [{start}, {start + count}) are outside the lease's {self.count} blocks",
-            )
-        first = self.first_block[pool]
-        if start < first:
-            raise TransferError(
-                INVALID,
-                f"pool {pool}: blocks before {first} are outside its attention window "
-                f"(the lease holds blocks {first}..{self.count - 1} of it)",
-            )
-        return self.ids[pool][start - first : start - first + count]
+        reason = lease_range_error(start, count, self.count, self.first_block, [pool])
+        if reason is not None:
+            raise TransferError(INVALID, reason)
+        at = start - self.first_block[pool]
+        return self.ids[pool][at : at + count]
 
 
 @dataclass(frozen=True)

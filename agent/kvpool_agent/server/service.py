@@ -46,6 +46,7 @@ from kvpool_agent.config import (
 )
 from kvpool_agent.credentials import Credentials, Principal
 from kvpool_agent.dataplane.keys import KeyFormatError, KeyNamespace, chain_tokens, check_keys
+from kvpool_agent.dataplane.protocol import lease_range_error
 from kvpool_agent.server.attention import AttentionBatch, run_attention
 from kvpool_agent.server.events import EventPublisher, make_encoder
 from kvpool_agent.server.snapshot import ImportResult, Namespace, export_snapshot, import_snapshot
@@ -791,22 +792,13 @@ class AgentService:
                 held = {pool: list(tables[pool][: lease.blocks - firsts[pool]]) for pool in pools}
                 lease.readers += 1
                 return lease, held
-            if count < 1 or start < 0 or start + count > lease.blocks:
-                raise RequestError(
-                    422,
-                    f"blocks [{start}, {start + count}) are outside the lease's "
-                    f"{lease.blocks} blocks",
-                )
+            reason = lease_range_error(start, count, lease.blocks, firsts, pools)
+            if reason is not None:
+                raise RequestError(422, reason)
             ids = {}
             for pool in pools:
-                first = firsts[pool]
-                if start < first:
-                    raise RequestError(
-                        422,
-                        f"pool {pool}: blocks before {first} are outside its attention window "
-                        f"(the lease holds blocks {first}..{lease.blocks - 1} of it)",
-                    )
-                ids[pool] = list(tables[pool][start - first : start - first + count])
+                at = start - firsts[pool]
+                ids[pool] = list(tables[pool][at : at + count])
             lease.readers += 1
             return lease, ids
 
