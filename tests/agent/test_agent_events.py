@@ -15,6 +15,8 @@ import zmq
 import zmq.asyncio
 
 from kvpool_agent.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated
+from kvpool_agent.credentials import Principal
+from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.server import AgentService, create_app
 from kvpool_agent.server.events import (
     END_OF_REPLAY,
@@ -23,6 +25,7 @@ from kvpool_agent.server.events import (
     decode_batch,
     positional,
     resolve_topic,
+    wire_hash,
 )
 
 from .conftest import TPB, small_config
@@ -216,3 +219,30 @@ async def test_evictions_remove_blocks_and_count_the_reason(
     assert f'kvpool_kv_events_blocks_removed_total{{reason="evicted"}} {float(len(gone))}' in (
         metrics
     )
+
+
+@pytest.mark.parametrize("event_buffer", [0, 10_000], ids=["events off", "events on"])
+async def test_engine_key_names_wait_only_while_events_are_recorded(event_buffer: int) -> None:
+    """A keyed store names its new blocks for their BlockStored events. With events off no
+    event takes a name, so none may be left waiting (up to 100,000 blocks' tokens before)."""
+    cache = {"tokens_per_block": TPB, "event_buffer_max_size": event_buffer}
+    svc = AgentService(small_config(kv_cache_config=cache))
+    await svc.start()
+    try:
+        anyone = Principal(tenant=None, peer=False)
+        ns = KeyNamespace("m")
+        for chain in range(8):
+            keys = [f"{chain}/{i}".encode() for i in range(4)]
+            start = await svc.begin_store(anyone, ns, keys, 0)
+            assert start.store is not None
+            await svc.finish_store(start.store)
+        assert svc.engine.events.enabled == bool(event_buffer)
+        assert len(await svc.lookup_keys(anyone, ns, keys)) == 4
+        assert svc.publisher.encoder.pending_names == 0
+        if event_buffer:  # and the blocks went out under the engine's own hashes
+            batches = svc.publisher.replay(0)
+            events = [e for _, p in batches for e in decode_batch(p)[1]]
+            hashes = {e[1][0] for e in events if e[0] == "BlockStored"}
+            assert {wire_hash(k) for k in keys} <= hashes
+    finally:
+        await svc.stop()

@@ -166,6 +166,11 @@ class WireEncoder:
             self._names.pop(next(iter(self._names)))
         self._names[tuple(tokens)] = wire_hash(key)
 
+    @property
+    def pending_names(self) -> int:
+        """Names given that no BlockStored has taken yet."""
+        return len(self._names)
+
     def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
         """``name`` each block of a chain: block ``i`` is ``tokens[i*bs:(i+1)*bs]``."""
         bs = self.block_size
@@ -260,6 +265,11 @@ class NativeWireEncoder:
         """Blocks whose last copy went, by reason."""
         return dict(self._inner.removed)
 
+    @property
+    def pending_names(self) -> int:
+        """Names given that no BlockStored has taken yet."""
+        return int(self._inner.pending_names)
+
     def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
         self._inner.name_chain(tokens, [bytes(k) for k in keys])
 
@@ -289,6 +299,9 @@ class Encoder(Protocol):
 
     @property
     def removed(self) -> Mapping[str, int]: ...
+
+    @property
+    def pending_names(self) -> int: ...
 
     def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None: ...
 

@@ -894,12 +894,19 @@ class AgentService:
 
         return await self.call(run)
 
+    def _name_store(self, store: Store) -> None:
+        """Have the events of a store's new blocks name them by the engine's keys, while the
+        engine records events: else no BlockStored would take the names, and up to
+        ``MAX_PENDING_NAMES`` blocks' tokens would sit in the encoder for nothing."""
+        if self.engine.events.enabled:
+            self.publisher.encoder.name_chain(*store.names)
+
     async def finish_store(self, store: Store) -> None:
         """Commit a filled store: its blocks enter the tree (BlockStored events)."""
 
         def run() -> None:
             self.stores.pop(store.store_id)
-            self.publisher.encoder.name_chain(*store.names)
+            self._name_store(store)
             self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
 
@@ -932,7 +939,7 @@ class AgentService:
                     404, f"reservation {store.store_id} is not held (expired or aborted)"
                 )
             self.stores.pop(store.store_id)
-            self.publisher.encoder.name_chain(*store.names)
+            self._name_store(store)
             self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
 
