@@ -12,7 +12,10 @@ real agent, over the transfer port and over its Unix socket, right after:
 - ``a prefill``: ``--gap-ms`` of torch matrix products on ``--threads`` threads (an engine's
   forward pass on the CPU cores, which the agent shares on a CPU node).
 
-The cases take turns in a random order; p50 and p90 per case. The tiny Llama of
+A third client asks over the Unix socket with the agent's first-block table mapped
+(``ShmClient(map_index=True)``, what the connector's scheduler does on the same node): its
+misses are answered from the table without a round trip. The cases take turns in a random
+order; p50 and p90 per case. The tiny Llama of
 ``tests/vllm_engine`` gives the geometry (2 layers, 2 KV heads of 32, 32 tokens per block).
 
     python bench/lookup_wakeup.py [--lookups 300] [--gap-ms 12] [--out bench/results]
@@ -43,6 +46,8 @@ from kvpool_agent.dataplane.shm import ShmClient
 MODEL = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "bfloat16"}
 TPB = 32
 CASES = ("back to back", "a PUT", "a sleep", "a spin", "a prefill")
+UNIX = "unix socket"
+TABLE = "unix socket, table"
 
 
 def prefill_for(seconds: float) -> Callable[[], None]:
@@ -80,9 +85,11 @@ def main() -> None:
         try:
             clients: dict[str, Any] = {
                 "transfer port": TransferClient([agent.address]),
-                "unix socket": ShmClient(agent.unix_socket),
+                UNIX: ShmClient(agent.unix_socket),
+                TABLE: ShmClient(agent.unix_socket, map_arena=False, map_index=True),
             }
-            geo = clients["unix socket"].geometry()
+            assert clients[TABLE].index is not None
+            geo = clients[UNIX].geometry()
             kv = [torch.randn(geo.kv_shape(p.index, args.keys)) for p in geo.pools]
             kv = [t.to(torch.bfloat16) for t in kv]
             total = args.lookups * len(CASES) * len(clients)
@@ -94,8 +101,9 @@ def main() -> None:
                             chain = keys(f"{name}/{case}/{i}", args.keys)
                             if case == "back to back":
                                 client.lookup(NS, chain)
-                            elif case == "a PUT":
-                                client.put(NS, keys(f"put/{name}/{i}", args.keys), kv)
+                            elif case == "a PUT":  # (the table's client maps no arena)
+                                writer = clients[UNIX] if name == TABLE else client
+                                writer.put(NS, keys(f"put/{name}/{i}", args.keys), kv)
                             elif case == "a sleep":
                                 time.sleep(args.gap_ms / 1e3)
                             elif case == "a spin":
@@ -108,6 +116,8 @@ def main() -> None:
                             client.lookup(NS, chain)
                             times.setdefault((name, case), []).append(time.perf_counter() - start)
                             bar.advance(task)
+            answered = clients[TABLE].local_misses
+            assert answered == args.lookups * (len(CASES) + 1), answered  # every miss
             for client in clients.values():
                 client.close()
         finally:

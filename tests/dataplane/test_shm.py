@@ -27,6 +27,7 @@ from kvpool_agent.dataplane.protocol import (
     FORBIDDEN,
     HEADER_SIZE,
     NOT_FOUND,
+    SHM_OPS,
     Op,
     frame,
     unpack_header,
@@ -583,7 +584,8 @@ def test_same_node_ops_are_refused_over_tcp(shm_agent: ShmAgent) -> None:
     raw = Raw(shm_agent.address)
     try:
         raw.auth()
-        for op in (Op.MAP, Op.GET_SHM, Op.PUT_SHM, Op.COMMIT, Op.ABORT):
+        assert Op.MAP_INDEX in SHM_OPS
+        for op in sorted(SHM_OPS):
             raw.request(op, {})
             head, meta = raw.reply()
             assert head.flags & F_ERROR and meta["status"] == FORBIDDEN, meta

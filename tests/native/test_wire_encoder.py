@@ -12,6 +12,7 @@ import pytest
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.cache.events import BlockStored
+from kvpool_agent.cache.packed import block_key
 from kvpool_agent.cache.sizing import build_pools
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
 from kvpool_agent.server.events import NativeWireEncoder, WireEncoder, make_encoder
@@ -56,12 +57,14 @@ def test_same_events_same_bytes(seed: int, medium: str) -> None:
     compiled = (manager("native"), NativeWireEncoder(TPB, medium))
     mixed = (manager("python"), NativeWireEncoder(TPB, medium))
     rng = random.Random(seed)
-    batches = 0
+    batches = gone = 0
     for step, (kind, tokens) in enumerate(workload(seed)):
         named = rng.random() < 0.4 and len(tokens) >= TPB
         n = len(tokens) // TPB
         keys = [rng.randbytes(rng.choice([3, 8, 32])) for _ in range(n)]
-        outs = []
+        # The first-block tables watch a stored chain's first block (its key, the engine's).
+        watched = block_key(0, tuple(tokens[:TPB])) if n and rng.random() < 0.5 else None
+        outs, gones = [], []
         for mgr, enc in (reference, compiled, mixed):
             if kind == "clear":
                 mgr.clear()
@@ -70,10 +73,18 @@ def test_same_events_same_bytes(seed: int, medium: str) -> None:
                     enc.name_chain(tokens[: n * TPB], keys)
                 mgr.release(mgr.open_sequence(tokens).seq_id)
             outs.append(enc.drain_batch(mgr.events, 1000.0 + step, 0))
+            gones.append(sorted(enc.take_gone()))
+            if watched is not None:  # (after the drain: what came before is not its removal)
+                enc.watch(watched)
         assert outs[1] == outs[0], f"step {step}"
         assert outs[2] == outs[0], f"step {step}"
+        assert gones[1] == gones[0] == gones[2], f"step {step}"
+        live = {node.key for node in reference[0].iter_nodes()}
+        assert not set(gones[0]) & live, f"step {step}: reported gone, but in the tree"
         batches += outs[0] is not None
-    assert batches > 60
+        gone += len(gones[0])
+    assert batches > 60 and gone > 5
+    assert compiled[1].watched == reference[1].watched == mixed[1].watched
     for enc in (compiled[1], mixed[1]):
         assert enc.removed == dict(reference[1].removed)
     assert sum(reference[1].removed.values()) > 0

@@ -314,6 +314,9 @@ def test_engines_share_kv_through_a_same_node_agent(
         assert same_outputs(store["outputs"], phase(baseline, "p")["outputs"])
         assert store["worker_stats"]["saved_blocks"] == 4 + 3 * 3
         assert store["worker_stats"]["save_errors"] == 0
+        # The pool held none of P yet: at least the first prompt's miss was answered by the
+        # agent's first-block table, with no round trip.
+        assert store["scheduler_stats"]["lookups_local"] >= 1
         b = engine(
             "B-same-node",
             [
@@ -324,6 +327,7 @@ def test_engines_share_kv_through_a_same_node_agent(
         )
         hit = phase(b, "hit")
         assert [o["num_cached_tokens"] for o in hit["outputs"]] == [Q_HIT_TOKENS] * 3
+        assert hit["scheduler_stats"]["lookups_local"] == 0  # Q's first blocks are P's
         assert hit["worker_stats"]["loaded_blocks"] == hit["scheduler_stats"]["hit_blocks"] > 0
         assert hit["worker_stats"]["load_error_blocks"] == 0
         assert same_outputs(hit["outputs"], want_q)

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 class ConnectorStats:
     lookups: int = 0
     """Scheduler lookups sent to the pool."""
+    lookups_local: int = 0
+    """Of ``lookups``, misses the same-node agent's first-block table answered without a
+    round trip (the prompt's first block is not in the pool)."""
     lookup_errors: int = 0
     """Lookups that failed or timed out (answered as 0 hits)."""
     lookups_skipped: int = 0

@@ -60,9 +60,11 @@ class Op(enum.IntEnum):
     PUT_SHM = 10
     COMMIT = 11
     ABORT = 12
+    MAP_INDEX = 13
+    """The caller's tenant's first-block table, read-only (``dataplane/first_blocks.py``)."""
 
 
-SHM_OPS = frozenset({Op.MAP, Op.GET_SHM, Op.PUT_SHM, Op.COMMIT, Op.ABORT})
+SHM_OPS = frozenset({Op.MAP, Op.GET_SHM, Op.PUT_SHM, Op.COMMIT, Op.ABORT, Op.MAP_INDEX})
 """Ops a TCP connection may not use (they name memory only a local peer can map)."""
 
 

@@ -1022,6 +1022,7 @@ class Connection:
             Op.RELEASE: self._release,
             Op.GET: self._get,
             Op.MAP: self._map,
+            Op.MAP_INDEX: self._map_index,
             Op.GET_SHM: self._get_shm,
             Op.PUT_SHM: self._put_shm,
             Op.COMMIT: self._commit_reservation,
@@ -1147,6 +1148,19 @@ class Connection:
             )
         out["kind"] = "memfd"
         await self._send(_Reply(_reply(header, out), fds=[server.shared_fd]))
+
+    async def _map_index(self, header: Header, meta: dict[str, Any]) -> None:
+        _fields(meta, "MAP_INDEX")
+        assert self.principal is not None
+        service = self.service
+        table = await service.open_first_blocks(service.tenant_of(self.principal))
+        fd = table.reader_fd()
+
+        async def close() -> None:
+            os.close(fd)
+
+        out = {"kind": "memfd", "size": table.size, "buckets": table.buckets}
+        await self._send(_Reply(_reply(header, out), fds=[fd], finish=close))
 
     async def _get_shm(self, header: Header, meta: dict[str, Any]) -> None:
         _fields(meta, "GET_SHM", required={"lease"}, optional={"start", "count", "layers"})

@@ -29,8 +29,10 @@ connection; its calls are serialized (make one per thread for parallel copies).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -54,7 +56,8 @@ from kvpool_agent.dataplane.client import (
     _per_pool,
 )
 from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, open_arena
-from kvpool_agent.dataplane.keys import KeyNamespace
+from kvpool_agent.dataplane.first_blocks import FirstBlockView
+from kvpool_agent.dataplane.keys import KeyNamespace, chain_tokens
 from kvpool_agent.dataplane.protocol import (
     INVALID,
     NOT_FOUND,
@@ -68,6 +71,9 @@ try:
     from kvpool_native import copy_spans as _copy_spans
 except ImportError:  # the compiled core is optional: torch copies then
     _copy_spans = None
+
+log = logging.getLogger(__name__)
+_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,10 @@ class ShmClient:
     on a CPU arena; 1 (the default) copies on the calling thread only, which is the most a
     busy node can count on. ``map_arena=False``: keys and leases only (``lookup``, ``lease``,
     ``release``), no MAP: what a connector's scheduler needs, without mapping (and
-    populating) the whole arena in its process."""
+    populating) the whole arena in its process. ``map_index=True`` maps the caller's
+    tenant's first-block table too (MAP_INDEX, ``dataplane/first_blocks.py``): a ``lookup``
+    whose first key it does not list then answers no blocks without asking the agent
+    (``local_misses`` counts them); where the agent offers none, every lookup asks."""
 
     def __init__(
         self,
@@ -216,6 +225,7 @@ class ShmClient:
         cuda: bool | None = None,
         copy_threads: int = 1,
         map_arena: bool = True,
+        map_index: bool = False,
     ) -> None:
         self.path = path
         self.copy_threads = max(1, int(copy_threads))
@@ -240,12 +250,36 @@ class ShmClient:
         """The agent's arena as a flat uint8 tensor (None without ``map_arena``)."""
         self.views: list[torch.Tensor] = []
         self._placements: list[_Placement] = []
-        if map_arena:
-            try:
+        self.index: FirstBlockView | None = None
+        """The tenant's first-block table (``map_index``), None where the agent has none."""
+        self.local_misses = 0
+        """Lookups the first-block table answered (no block held) without a round trip."""
+        self._poll = select.poll()
+        self._poll.register(self._conn.sock.fileno(), _HUNG_UP)
+        try:
+            if map_arena:
                 self.arena = self._map(cuda)
-            except BaseException:
-                self._conn.close()
-                raise
+            if map_index:
+                self.index = self._map_index()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _map_index(self) -> FirstBlockView | None:
+        """MAP_INDEX: the tenant's first-block table, read-only; None when the agent refuses
+        (no KV events) or predates it."""
+        fds: list[int] = []
+        try:
+            _, reply = self._conn.request(Op.MAP_INDEX, {}, fds=fds)
+            if reply.get("kind") != "memfd" or len(fds) != 1:
+                raise TransferError(502, "map_index: the agent sent no memfd")
+            return FirstBlockView(fds[0], int(reply["size"]))
+        except (TransferError, ValueError) as err:
+            log.info("kvpool: no first-block table from %s (%s): every lookup asks", self.path, err)
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _map(self, cuda: bool | None) -> torch.Tensor:
         """MAP: the arena as a flat uint8 tensor of this process, and the pool views."""
@@ -334,8 +368,9 @@ class ShmClient:
 
     @property
     def broken(self) -> bool:
-        """The connection failed or was closed: open a new client."""
-        return self._conn.broken
+        """The connection failed or was closed (by this side, or by the agent: its restart,
+        its idle timeout, seen without a round trip): open a new client."""
+        return self._conn.broken or bool(self._poll.poll(0))
 
     def _mapped(self) -> torch.Tensor:
         """The arena, for a read or a write (ValueError when this client did not map it)."""
@@ -376,7 +411,15 @@ class ShmClient:
         self._request(Op.PING, {})
 
     def lookup(self, ns: KeyNamespace, keys: Sequence[bytes]) -> list[str]:
-        """Tier of each leading resident block of the chain (no side effects)."""
+        """Tier of each leading resident block of the chain (no side effects). With the
+        first-block table, a chain whose first key it does not list holds nothing (the
+        agent is asked only while the connection is up: a restarted agent has a new table)."""
+        index = self.index
+        if index is not None and keys and not self.broken:
+            first = chain_tokens([bytes(keys[0])], self._geometry.tokens_per_block)
+            if index.holds(ns, first[:2]) is False:
+                self.local_misses += 1
+                return []
         return list(self._request(Op.LOOKUP, _chain_meta(ns, keys))["tiers"])
 
     def lease(

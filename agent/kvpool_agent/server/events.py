@@ -157,6 +157,22 @@ class WireEncoder:
         self.removed: Counter[str] = Counter()
         """Blocks whose last copy went, by reason (the wire has no field for it)."""
         self._names: dict[tuple[int, ...], int] = {}
+        self._watched: set[int] = set()
+        self._gone: list[int] = []
+
+    def watch(self, key: int) -> None:
+        """Report the block whose key (the engine's) is ``key`` through ``take_gone`` once an
+        encoded event says its last copy went (BlockRemoved, AllBlocksCleared)."""
+        self._watched.add(key)
+
+    def take_gone(self) -> list[int]:
+        """The watched keys whose blocks went since the last call (no longer watched)."""
+        gone, self._gone = self._gone, []
+        return gone
+
+    @property
+    def watched(self) -> int:
+        return len(self._watched)
 
     def name(self, tokens: Sequence[int], key: bytes) -> None:
         """The block whose tokens are ``tokens`` (an engine key's synthetic tokens) is about to
@@ -221,11 +237,16 @@ class WireEncoder:
         if isinstance(event, BlockRemoved):
             gone = self._known.pop(event.key, None)
             self.removed[event.reason] += 1
+            if event.key in self._watched:
+                self._watched.discard(event.key)
+                self._gone.append(event.key)
             if gone is None:
                 return [self._removed(event.key, self.mediums[event.tier])]
             return [self._removed(gone.wire, gone.medium)]
         if isinstance(event, AllBlocksCleared):
             self._known.clear()
+            self._gone.extend(self._watched)
+            self._watched.clear()
             return [{"type": "AllBlocksCleared"}]
         raise TypeError(f"unknown KV event {event!r}")
 
@@ -270,6 +291,16 @@ class NativeWireEncoder:
         """Names given that no BlockStored has taken yet."""
         return int(self._inner.pending_names)
 
+    def watch(self, key: int) -> None:
+        self._inner.watch(key)
+
+    def take_gone(self) -> list[int]:
+        return list(self._inner.take_gone())
+
+    @property
+    def watched(self) -> int:
+        return int(self._inner.watched)
+
     def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
         self._inner.name_chain(tokens, [bytes(k) for k in keys])
 
@@ -302,6 +333,13 @@ class Encoder(Protocol):
 
     @property
     def pending_names(self) -> int: ...
+
+    def watch(self, key: int) -> None: ...
+
+    def take_gone(self) -> list[int]: ...
+
+    @property
+    def watched(self) -> int: ...
 
     def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None: ...
 

@@ -224,6 +224,17 @@ class CacheCollector(Collector):
             "not committed in time (or their connection closed).",
             svc.transfer.reservations_expired,
         )
+        tables = svc.first_blocks.tables.values() if svc.first_blocks is not None else ()
+        yield GaugeMetricFamily(
+            "kvpool_first_block_chains",
+            "Chains listed in the tenants' same-node first-block tables (MAP_INDEX).",
+            value=sum(t.listed for t in tables),
+        )
+        yield _counter(
+            "kvpool_first_block_overflows",
+            "Chains a first-block table could not list (a full bucket: its misses are asked).",
+            sum(t.overflowed for t in tables),
+        )
         yield GaugeMetricFamily(
             "kvpool_stores_in_flight",
             "PUTs of the transfer port receiving their KV now (same-node reservations too).",

@@ -36,6 +36,7 @@ from kvpool_agent.cache import (
 from kvpool_agent.cache.miniature import PolicyCurveSnapshot
 from kvpool_agent.cache.mrc import BOUNDS, CurveSnapshot
 from kvpool_agent.cache.native_curves import NativePolicyMiniature
+from kvpool_agent.cache.packed import unpack
 from kvpool_agent.cache.sequences import namespace_of as _namespace
 from kvpool_agent.config import (
     DEFAULT_PRIORITY,
@@ -45,7 +46,14 @@ from kvpool_agent.config import (
     restart_fields,
 )
 from kvpool_agent.credentials import Credentials, Principal
-from kvpool_agent.dataplane.keys import KeyFormatError, KeyNamespace, chain_tokens, check_keys
+from kvpool_agent.dataplane.first_blocks import FirstBlockIndex, FirstBlockTable, buckets_for
+from kvpool_agent.dataplane.keys import (
+    KEYS_SALT_PREFIX,
+    KeyFormatError,
+    KeyNamespace,
+    chain_tokens,
+    check_keys,
+)
 from kvpool_agent.dataplane.protocol import lease_range_error
 from kvpool_agent.server.attention import AttentionBatch, run_attention
 from kvpool_agent.server.events import EventPublisher, make_encoder
@@ -146,6 +154,9 @@ class Store:
     names: tuple[list[int], list[bytes]] = field(default_factory=lambda: ([], []))
     """Synthetic tokens and engine keys of the blocks it writes (block ``i`` is the ``i``-th
     ``tokens_per_block`` run): its KV events name each block by the engine's hash."""
+    first: tuple[str, str | None, list[int]] | None = None
+    """The chain's namespace salt (``KeyNamespace.salt()``), the tenant's salt of it and its
+    first block's synthetic tokens, to list it in a first-block table (``_list_first``)."""
     expires_at: float | None = None
     """A same-node reservation (PUT_SHM): ``time.monotonic()`` after which it is aborted
     like an expired lease, its blocks freed. None: the connection receiving its bytes owns
@@ -174,6 +185,21 @@ class TransferCounters:
     bytes_sent: int = 0
     reservations_expired: int = 0
     """Same-node reservations (PUT_SHM) aborted because they were not committed in time."""
+
+
+def keyed_salt(tenant: str | None, salt: str | None) -> str | None:
+    """The engine-key namespace's own salt (``KeyNamespace.salt()``) that ``salt`` is
+    ``tenant``'s salt of; None when it is another tenant's, or not an engine-key namespace."""
+    if salt is None:
+        return None
+    if tenant is not None:
+        prefix = f"{TENANT_SALT_PREFIX}{tenant}{SALT_SEP}"
+        if not salt.startswith(prefix):
+            return None
+        salt = salt[len(prefix) :]
+    elif salt.startswith(TENANT_SALT_PREFIX):
+        return None
+    return salt if salt.startswith(KEYS_SALT_PREFIX) else None
 
 
 def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
@@ -222,6 +248,9 @@ class AgentService:
         self.expired_sequences = 0
         self.leases: dict[int, Lease] = {}
         self.stores: dict[int, Store] = {}
+        self.first_blocks: FirstBlockIndex | None = None
+        """Tables of the chains whose first blocks the cache holds, per tenant that asked
+        (``open_first_blocks``; ``dataplane/first_blocks.py``)."""
         self.expired_leases = 0
         self._lease_added = asyncio.Event()
         """Wakes the housekeeping task to schedule a new lease's expiry."""
@@ -266,6 +295,9 @@ class AgentService:
                 await self._housekeeping
             self._housekeeping = None
         await self.publisher.close()
+        if self.first_blocks is not None:
+            self.first_blocks.close()
+            self.first_blocks = None
 
     @property
     def ready(self) -> bool:
@@ -362,6 +394,8 @@ class AgentService:
 
     def flush_events(self) -> None:
         self.publisher.flush(self.engine.events)
+        if self.first_blocks is not None:
+            self.first_blocks.forget(self.publisher.encoder.take_gone())
 
     def default_retention(self) -> KvCacheRetentionConfig | None:
         """The config's default policy as a request policy (None when it is the engine's)."""
@@ -654,7 +688,14 @@ class AgentService:
         chain = self._chain(ns, keys)
         salt = tenant_salt(tenant, ns.salt())
         tokens = chain_tokens(chain, self.engine.tpb)
-        return await self.call(lambda: self.engine.lookup(tokens, cache_salt=salt))
+
+        def run() -> list[str]:
+            tiers = self.engine.lookup(tokens, cache_salt=salt)
+            if tiers:
+                self._list_first(tenant, ns.salt(), salt, tokens)
+            return tiers
+
+        return await self.call(run)
 
     async def lease_keys(
         self, principal: Principal, ns: KeyNamespace, keys: list[bytes], ttl_s: float | None
@@ -696,6 +737,7 @@ class AgentService:
                 raise RequestError(503, "lease: the cache changed under the request; retry")
             self._count_unmatched(len(chain) - d)
             self.engine.query_policy_curve(tokens, cache_salt=salt)
+            self._list_first(tenant, ns.salt(), salt, tokens)
             lease = Lease(
                 self._new_id(),
                 tenant,
@@ -859,6 +901,8 @@ class AgentService:
             # itself: one walk of the tree instead of two (most PUTs of a connector).
             if first:
                 d = resident()
+                if d:
+                    self._list_first(tenant, ns.salt(), salt, tokens)
                 if first > d:
                     return StoreStart(None, d, n, gap=True)
                 if d == n:
@@ -867,6 +911,7 @@ class AgentService:
                 self._admit(tenant, n * tpb)
             except RequestError:
                 if not first and resident() == n:  # held already: nothing to admit
+                    self._list_first(tenant, ns.salt(), salt, tokens)
                     return StoreStart(None, n, n)
                 raise
             with self.engine.uncounted():  # storing is not a prefix-cache query
@@ -876,6 +921,7 @@ class AgentService:
             held = handle.num_reused_tokens // tpb
             if held == n:  # the whole chain was resident (a PUT from block 0)
                 self.engine.release(handle.seq_id)
+                self._list_first(tenant, ns.salt(), salt, tokens)
                 return StoreStart(None, held, n)
             ids = {}
             for pool, table in enumerate(handle.block_tables):
@@ -883,6 +929,7 @@ class AgentService:
                 ids[pool] = list(table[held - first_block : n - first_block])
             names = (tokens[held * tpb : n * tpb], chain[held:n])
             store = Store(self._new_id(), tenant, handle, held, n, self._held(handle), ids, names)
+            store.first = (ns.salt(), salt, tokens[:tpb])
             if ttl_s is not None:
                 store.expires_at = time.monotonic() + ttl_s
                 self._lease_added.set()  # the housekeeper schedules its expiry
@@ -893,6 +940,70 @@ class AgentService:
             return StoreStart(store, store.resident, n)
 
         return await self.call(run)
+
+    async def open_first_blocks(self, tenant: str | None) -> FirstBlockTable:
+        """The tenant's first-block table for a same-node client to map (MAP_INDEX), made
+        on first use and filled with what the cache holds of the tenant's chains then;
+        ``RequestError`` 409 while the engine records no KV events, which is how the table
+        learns of removals."""
+        if not self.engine.events.enabled:
+            raise RequestError(
+                409,
+                "the first-block index needs the engine's KV events "
+                "(kv_cache_config.event_buffer_max_size > 0)",
+            )
+
+        def run() -> FirstBlockTable:
+            if self.first_blocks is None:
+                self.first_blocks = FirstBlockIndex(buckets_for(self._blocks()), self.engine.tpb)
+            made = tenant not in self.first_blocks.tables
+            table = self.first_blocks.table(tenant)
+            if made:
+                self._list_held(tenant)
+            return table
+
+        return await self.call(run, heavy=True)
+
+    def _blocks(self) -> int:
+        """Blocks the cache can hold in one pool, every tier (a bound on its chains)."""
+        usage = self.engine.usage()
+        return max(
+            sum(int(u["blocks_total"]) for u in usage if u["pool"] == pool.index)
+            for pool in self.engine.plan.pools
+        )
+
+    def _list_first(
+        self, tenant: str | None, ns_salt: str, salt: str | None, tokens: list[int]
+    ) -> None:
+        """Inside the engine call that found a chain's first block resident: list it in the
+        tenant's first-block table, if the tenant has one, and watch the block's removal.
+        The events so far are published first: a removal among them is of an earlier copy
+        of the block (evicted, then stored again in this call), which must leave the table
+        before this one is listed, not after."""
+        index = self.first_blocks
+        if index is None or tenant not in index.tables:
+            return
+        self.flush_events()
+        key = index.note(tenant, ns_salt, salt, tokens)
+        if key is not None:
+            self.publisher.encoder.watch(key)
+
+    def _list_held(self, tenant: str | None) -> None:
+        """List every first block of ``tenant``'s keyed chains the cache holds (a new table,
+        or after a handoff brought blocks in): one walk of the whole tree."""
+        roots: dict[int, tuple[str, str]] = {}
+        for root, (salt, extra) in self.namespaces.items():
+            ns_salt = keyed_salt(tenant, salt) if not extra else None
+            if ns_salt is not None:
+                roots[root] = (ns_salt, salt)
+        if not roots:
+            return
+        for node in self.engine.iter_nodes():
+            parent = node.parent
+            if parent is None or parent.parent is not None or parent.key not in roots:
+                continue  # a root, or not a first block of the tenant's keyed chains
+            ns_salt, salt = roots[parent.key]
+            self._list_first(tenant, ns_salt, salt, list(unpack(node.packed)))
 
     def _name_store(self, store: Store) -> None:
         """Have the events of a store's new blocks name them by the engine's keys, while the
@@ -909,6 +1020,8 @@ class AgentService:
             self._name_store(store)
             self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
+            if store.first is not None:
+                self._list_first(store.tenant, *store.first)
 
         await self.call(run)
 
@@ -942,6 +1055,8 @@ class AgentService:
             self._name_store(store)
             self.engine.release(store.handle.seq_id)
             self._account(store.tenant, store.held, ())
+            if store.first is not None:
+                self._list_first(store.tenant, *store.first)
 
         await self.call(run)
 
@@ -980,10 +1095,15 @@ class AgentService:
         )
 
     async def import_blocks(self, blob: bytes) -> ImportResult:
-        result = await self.call(lambda: import_snapshot(self.engine, blob), heavy=True)
-        for salt, extra in result.namespaces:
-            self.namespaces[_namespace(salt, extra)] = (salt, extra)
-        return result
+        def run() -> ImportResult:
+            result = import_snapshot(self.engine, blob)
+            for salt, extra in result.namespaces:
+                self.namespaces[_namespace(salt, extra)] = (salt, extra)
+            for tenant in list(self.first_blocks.tables if self.first_blocks else ()):
+                self._list_held(tenant)  # the chains that came in, in their tables
+            return result
+
+        return await self.call(run, heavy=True)
 
     async def release_all(self) -> int:
         """Release every open sequence (dropping uncommitted KV) and every lease (end of a

@@ -324,13 +324,15 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _open_shm(self, path: str, timeout: float) -> ShmClient:
         """A same-node agent's client; the scheduler asks only lookups and leases, so it
-        does not map the arena."""
+        does not map the arena, but maps its first-block table (misses without a round
+        trip)."""
         return ShmClient(
             path,
             token=self._token,
             timeout=timeout,
             connect_timeout=min(timeout, 1.0),
             map_arena=not self._scheduler,
+            map_index=self._scheduler,
         )
 
     def _save_client(self, timeout: float) -> KVClient | None:
@@ -432,12 +434,17 @@ class KvpoolConnector(KVConnectorBase_V1):
             self.stats.add(lookups_skipped=1)
             return 0
         self.stats.add(lookups=1)
+        shm = client.shm if isinstance(client, RoutedClient) else client
+        local = shm.local_misses if isinstance(shm, ShmClient) else 0
         try:
-            return min(len(client.lookup(self._ns(r), chain)) for r in range(self.world))
+            held = min(len(client.lookup(self._ns(r), chain)) for r in range(self.world))
         except (TransferError, TransferConnectionError, OSError) as err:
             self.stats.add(lookup_errors=1)
             self._failed("lookup", err)
             return 0
+        if isinstance(shm, ShmClient) and shm.local_misses - local == self.world:
+            self.stats.add(lookups_local=1)
+        return held
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
-use rustc_hash::{FxBuildHasher, FxHashMap};
+use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::engine::log::{Event, Reason};
 use msgpack::Writer;
@@ -182,6 +182,10 @@ pub struct WireEncoder {
     names: Names,
     /// Blocks whose last copy went, by `Reason` (the order of `REASONS`).
     pub removed: [u64; 4],
+    /// `watch`ed block keys (the engine's, as its events carry them), until the block goes.
+    watched: FxHashSet<i64>,
+    /// Watched keys whose block went, for `take_gone`.
+    gone: Vec<i64>,
 }
 
 /// Every removal reason, in the order of `WireEncoder::removed`.
@@ -220,7 +224,25 @@ impl WireEncoder {
             known: FxHashMap::default(),
             names: Names::default(),
             removed: [0; 4],
+            watched: FxHashSet::default(),
+            gone: Vec::new(),
         }
+    }
+
+    /// `watch`: report the block whose key (the engine's) is `key` through `take_gone` once
+    /// an encoded event says its last copy went (BlockRemoved, AllBlocksCleared).
+    pub fn watch(&mut self, key: i64) {
+        self.watched.insert(key);
+    }
+
+    /// `take_gone`: the watched keys whose blocks went since the last call (no longer
+    /// watched).
+    pub fn take_gone(&mut self) -> Vec<i64> {
+        std::mem::take(&mut self.gone)
+    }
+
+    pub fn watched_len(&self) -> usize {
+        self.watched.len()
     }
 
     /// `name`: the block whose tokens are `tokens` goes out under `wire` when stored.
@@ -290,6 +312,9 @@ impl WireEncoder {
             }
             Event::Removed { key, tier, reason } => {
                 self.removed[reason_index(*reason)] += 1;
+                if self.watched.remove(key) {
+                    self.gone.push(*key);
+                }
                 match self.known.remove(key) {
                     Some(gone) => self.removed_event(out, gone.wire(), gone.medium),
                     None => {
@@ -301,6 +326,7 @@ impl WireEncoder {
             }
             Event::AllCleared => {
                 self.known.clear();
+                self.gone.extend(self.watched.drain());
                 out.map(1);
                 out.str("type");
                 out.str("AllBlocksCleared");
@@ -381,7 +407,10 @@ impl WireEncoder {
 
     /// Heap bytes the encoder's state takes (the live blocks' names and tokens, the names).
     pub fn memory_bytes(&self) -> usize {
-        self.known.capacity() * (8 + std::mem::size_of::<Known>() + 1) + self.names.memory_bytes()
+        self.known.capacity() * (8 + std::mem::size_of::<Known>() + 1)
+            + self.names.memory_bytes()
+            + self.watched.capacity() * 9
+            + self.gone.capacity() * 8
     }
 }
 

@@ -137,6 +137,21 @@ impl PyWireEncoder {
         Ok(out)
     }
 
+    /// `WireEncoder.watch`: report `key`'s block through `take_gone` once it is gone.
+    fn watch(&mut self, key: i64) {
+        self.inner.watch(key);
+    }
+
+    /// `WireEncoder.take_gone`: the watched keys whose blocks went since the last call.
+    fn take_gone(&mut self) -> Vec<i64> {
+        self.inner.take_gone()
+    }
+
+    #[getter]
+    fn watched(&self) -> usize {
+        self.inner.watched_len()
+    }
+
     #[getter]
     fn pending_names(&self) -> usize {
         self.inner.pending_names()

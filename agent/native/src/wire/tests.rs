@@ -136,3 +136,40 @@ fn names_keep_their_place_and_skip_what_was_taken() {
     names.pop_oldest(); // past every stale entry, to the oldest live one
     assert_eq!((names.take(&[7, 7]), names.take(&[8, 8])), (None, Some(8)));
 }
+
+#[test]
+fn watched_blocks_are_reported_once_when_their_last_copy_goes() {
+    let mut enc = WireEncoder::new(2, "GPU");
+    let stored = |key: i64| Event::Stored {
+        key,
+        parent: None,
+        tokens: [1, 2].into(),
+        tier: 0,
+        priority: 35,
+    };
+    let removed = |key: i64| Event::Removed {
+        key,
+        tier: 0,
+        reason: Reason::Evicted,
+    };
+    let moved = Event::Updated {
+        key: 1,
+        tier: 1,
+        priority: 35,
+        tokens: Some([1, 2].into()),
+    };
+    enc.encode_batch([&stored(1), &stored(2), &stored(3)], 1.0, 0);
+    enc.watch(1);
+    enc.watch(2);
+    enc.watch(7); // not stored: reported only by a clear
+    enc.encode_batch([&moved, &removed(3)], 2.0, 0); // a move is no removal
+    assert!(enc.take_gone().is_empty());
+    enc.encode_batch([&removed(1), &removed(1)], 3.0, 0);
+    assert_eq!(enc.take_gone(), vec![1]);
+    assert!(enc.take_gone().is_empty());
+    enc.encode_batch([&Event::AllCleared], 4.0, 0);
+    let mut gone = enc.take_gone();
+    gone.sort();
+    assert_eq!(gone, vec![2, 7]);
+    assert_eq!(enc.watched_len(), 0);
+}
