@@ -126,6 +126,7 @@ def test_misses_are_answered_locally_and_hits_still_asked(
     with agent.shm(TOKENS["a"]) as writer:
         writer.put(NS, stored, writer.empty_kv(3))
         scheduler = agent.shm(TOKENS["a"], map_arena=False, map_index=True)
+        assert scheduler._conn.auth_reply["first_blocks"] is True
         assert scheduler.index is not None
         # Stored before the table existed: listed when it was made, so the LOOKUP asks.
         index = agent.service.first_blocks
@@ -188,6 +189,7 @@ def test_without_kv_events_there_is_no_table_and_every_lookup_asks(sock_dir: str
     a = ShmAgent(config, os.path.join(sock_dir, "b.sock"))
     try:
         raw = a.shm(map_arena=False)
+        assert raw._conn.auth_reply["first_blocks"] is False  # so a client does not ask
         with pytest.raises(TransferError) as err:
             raw._conn.request(Op.MAP_INDEX, {}, fds=[])
         assert err.value.status == 409 and "event_buffer_max_size" in str(err.value)

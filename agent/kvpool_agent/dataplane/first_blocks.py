@@ -27,8 +27,9 @@ Layout (little-endian): a 64-byte header (``MAGIC``, version u32, slots per buck
 buckets u64), then ``buckets`` rows of ``SLOTS`` u64 slots, then one overflow byte per bucket.
 A slot holds ``print | OCCUPIED`` or 0. A chain's print is 63 bits of its first block's
 synthetic tokens (``keys.chain_tokens``: a BLAKE2b digest of the key) mixed with a digest of
-its namespace; its bucket is the print's low bits. One writer (the agent's event loop) stores
-whole aligned words; readers in other processes see each slot before or after a change.
+its namespace; its bucket is the print's low bits. One writer at a time (the agent, under its
+engine lock) stores whole aligned words; readers in other processes see each slot before or
+after a change.
 Tables are per tenant, so a client learns nothing of another tenant's chains.
 """
 

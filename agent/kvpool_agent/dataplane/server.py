@@ -1074,6 +1074,9 @@ class Connection:
                         "max_lease_ttl_s": cfg.max_lease_ttl_s,
                         "crc": crc,
                         "same_node": self.local,
+                        # MAP_INDEX is served (an older agent does not know the op, and
+                        # would close the connection on it).
+                        "first_blocks": self.local and self.service.engine.events.enabled,
                         # Which pod of its pool this agent is (a client on its node matches
                         # it to its name in the ring: dataplane/routed.py).
                         "pod": os.environ.get("POD_NAME") or None,

@@ -266,8 +266,11 @@ class ShmClient:
             raise
 
     def _map_index(self) -> FirstBlockView | None:
-        """MAP_INDEX: the tenant's first-block table, read-only; None when the agent refuses
-        (no KV events) or predates it."""
+        """MAP_INDEX: the tenant's first-block table, read-only; None when the agent has
+        none to give (no KV events, or it predates the table: its AUTH reply says)."""
+        if not self._conn.auth_reply.get("first_blocks"):
+            log.info("kvpool: %s offers no first-block table: every lookup asks", self.path)
+            return None
         fds: list[int] = []
         try:
             _, reply = self._conn.request(Op.MAP_INDEX, {}, fds=fds)

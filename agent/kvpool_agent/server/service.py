@@ -984,6 +984,16 @@ class AgentService:
         if index is None or tenant not in index.tables:
             return
         self.flush_events()
+        self._note_first(index, tenant, ns_salt, salt, tokens)
+
+    def _note_first(
+        self,
+        index: FirstBlockIndex,
+        tenant: str | None,
+        ns_salt: str,
+        salt: str | None,
+        tokens: list[int],
+    ) -> None:
         key = index.note(tenant, ns_salt, salt, tokens)
         if key is not None:
             self.publisher.encoder.watch(key)
@@ -996,14 +1006,16 @@ class AgentService:
             ns_salt = keyed_salt(tenant, salt) if not extra else None
             if ns_salt is not None:
                 roots[root] = (ns_salt, salt)
-        if not roots:
+        index = self.first_blocks
+        if not roots or index is None or tenant not in index.tables:
             return
+        self.flush_events()  # (as _list_first does, once for the walk)
         for node in self.engine.iter_nodes():
             parent = node.parent
             if parent is None or parent.parent is not None or parent.key not in roots:
                 continue  # a root, or not a first block of the tenant's keyed chains
             ns_salt, salt = roots[parent.key]
-            self._list_first(tenant, ns_salt, salt, list(unpack(node.packed)))
+            self._note_first(index, tenant, ns_salt, salt, list(unpack(node.packed)))
 
     def _name_store(self, store: Store) -> None:
         """Have the events of a store's new blocks name them by the engine's keys, while the
