@@ -7,6 +7,13 @@ raw server and clients in alternating rounds and reads, per request, the CPU sec
 (user + system, from ``/proc``) of the agent's event-loop thread, of the whole agent, of the
 raw server, and of the client process (``getrusage``, its threads included).
 
+For PUTs it then times, in this process and without any protocol, the engine's part of the
+event loop's work on the same chains (``engine_steps``): ``chain_tokens``, the open of the
+chain's synthetic sequence (with the evictions a full cache makes), naming its blocks for
+their events, the release that commits them, and draining the events into a published batch.
+The event loop's CPU beyond their sum is the protocol's and asyncio's share, and the engine's
+data going cold between requests (the receives stream 32 MiB through the caches).
+
     python bench/transfer_cpu.py [--payload 128KiB] [--op put] [--clients 4] [--rounds 3]
 """
 
@@ -18,20 +25,30 @@ import os
 import resource
 import statistics
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from transfer import (  # bench/transfer.py
     GEOMETRIES,
+    TPB,
     AgentProcess,
     RawServer,
     bench_protocol,
     bench_raw,
+    keys,
     request_blocks,
 )
 
+from kvpool_agent.cache.manager import KVCacheManager
+from kvpool_agent.config import AgentConfig
+from kvpool_agent.dataplane.keys import chain_tokens
+from kvpool_agent.server.events import make_encoder
+
 TICK = os.sysconf("SC_CLK_TCK")
+STEPS = ("chain_tokens", "open", "name", "release", "drain")
 
 
 def cpu_s(pid: int, tid: int | None = None) -> float:
@@ -44,6 +61,38 @@ def cpu_s(pid: int, tid: int | None = None) -> float:
 def own_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def engine_steps(model: dict[str, Any], budget: int, blocks: int, puts: int) -> dict[str, float]:
+    """Microseconds per PUT of each engine step on chains of ``blocks`` new keys, in this
+    process, over the second half of ``puts`` (the cache full by then: every open evicts)."""
+    doc = {
+        "model": model,
+        "kv_cache_config": {"tokens_per_block": TPB, "enable_partial_reuse": False},
+        "cpu_budget_bytes": budget,
+    }
+    engine = KVCacheManager.from_agent_config(AgentConfig.model_validate(doc))
+    encoder = make_encoder(TPB, "CPU", native=engine.core_name == "native")
+    total = dict.fromkeys(STEPS, 0.0)
+    for i in range(puts):
+        chain = keys(f"steps/{i}", blocks)
+        t0 = time.perf_counter()
+        tokens = chain_tokens(chain, TPB)
+        t1 = time.perf_counter()
+        handle = engine.open_sequence(tokens, cache_salt="bench", recompute_last_token=False)
+        t2 = time.perf_counter()
+        encoder.name_chain(tokens, chain)
+        t3 = time.perf_counter()
+        engine.release(handle.seq_id)
+        t4 = time.perf_counter()
+        encoder.drain_batch(engine.events, time.time(), 0)
+        t5 = time.perf_counter()
+        if i >= puts // 2:
+            took = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
+            for step, seconds in zip(STEPS, took, strict=True):
+                total[step] += seconds
+    counted = puts - puts // 2
+    return {step: seconds / counted * 1e6 for step, seconds in total.items()}
 
 
 def main() -> None:
@@ -60,8 +109,9 @@ def main() -> None:
     block, blocks = request_blocks(model, args.blocks)
     nbytes = block * blocks
     rounds = []
+    budget = max(512 << 20, 16 * nbytes)
     with tempfile.TemporaryDirectory() as tmp:
-        agent = AgentProcess(Path(tmp), model, max(512 << 20, 16 * nbytes), None)
+        agent = AgentProcess(Path(tmp), model, budget, None)
         raw = RawServer(nbytes)
         pid = agent.proc.pid
         try:
@@ -103,6 +153,17 @@ def main() -> None:
         table.add_row(str(i), *(f"{r[c]:.2f}" for c in cols))
     table.add_row("median", *(f"{statistics.median(r[c] for r in rounds):.2f}" for c in cols))
     Console().print(table)
+    steps = engine_steps(model, budget, blocks, 600) if args.op == "put" else {}
+    if steps:
+        loop = statistics.median(r["agent_loop_ms"] for r in rounds)
+        parts = Table(title="the engine's part of a PUT, in process (no protocol), ms")
+        parts.add_column("step")
+        parts.add_column("ms", justify="right")
+        for step, us in steps.items():
+            parts.add_row(step, f"{us / 1e3:.3f}")
+        parts.add_row("sum", f"{sum(steps.values()) / 1e3:.3f}")
+        parts.add_row("the agent's event loop, per request (median)", f"{loop:.3f}")
+        Console().print(parts)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {
         "command": "python bench/transfer_cpu.py",
@@ -111,6 +172,7 @@ def main() -> None:
         "clients": args.clients,
         "bytes_per_request": nbytes,
         "rounds": rounds,
+        "engine_steps_us_per_put": steps,
     }
     (args.out / "transfer_cpu.json").write_text(json.dumps(doc, indent=2) + "\n")
 

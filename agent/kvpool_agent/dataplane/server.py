@@ -1558,7 +1558,7 @@ def _ns(meta: dict[str, Any]) -> KeyNamespace:
 
 def _keys(meta: dict[str, Any]) -> list[bytes]:
     keys = meta["keys"]
-    if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
+    if not isinstance(keys, list) or not set(map(type, keys)) <= {bytes}:  # (at C speed)
         raise ProtocolError(BAD_FRAME, "meta.keys: a list of byte strings")
     return keys
 

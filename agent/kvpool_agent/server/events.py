@@ -302,7 +302,9 @@ class NativeWireEncoder:
         return int(self._inner.watched)
 
     def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
-        self._inner.name_chain(tokens, [bytes(k) for k in keys])
+        if type(keys) is not list or not set(map(type, keys)) <= {bytes}:
+            keys = [bytes(k) for k in keys]  # (the data plane's are checked bytes already)
+        self._inner.name_chain(tokens, keys)
 
     def encode_batch(
         self, events: Sequence[KVEvent], ts: float, rank: int
