@@ -170,7 +170,8 @@ def test_an_evicted_chain_leaves_the_table(agent: ShmAgent) -> None:
         assert scheduler.lookup(NS, first) == ["primary"]
         for tag in range(100, 100 + 2 * BLOCKS // 4):  # twice the pool: the first chain goes
             writer.put(NS, keys_for(tag, 4), writer.empty_kv(4))
-    assert agent.call(lambda: agent.service.engine.lookup(chain_tokens(first, TPB))) == []
+    with agent.shm(TOKENS["a"], map_arena=False) as asking:  # no table: the agent answers
+        assert asking.lookup(NS, first) == []
     misses = scheduler.local_misses
     assert scheduler.lookup(NS, first) == []
     assert scheduler.local_misses == misses + 1
