@@ -183,6 +183,10 @@ def _parse_replica(replica: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+"""What ``poll`` reports for a peer that closed its end (``POLLRDHUP``: even with data left)."""
+
+
 class _Connection:
     """One authenticated blocking connection to one replica."""
 
@@ -212,6 +216,8 @@ class _Connection:
         if self.sock.family != socket.AF_UNIX:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.next_id = 1
+        self._hang_up = select.poll()
+        self._hang_up.register(self.sock.fileno(), _HUNG_UP)
         self.broken = False
         self.sent_any = False
         self.last_used = time.monotonic()
@@ -247,6 +253,12 @@ class _Connection:
         except (OSError, ValueError):
             return False
         return not readable  # an idle connection has nothing to read unless it was closed
+
+    def hung_up(self) -> bool:
+        """The agent closed its end (or the socket failed), known without a round trip and
+        whether or not a reply is waiting to be read: unlike ``alive``, safe to ask from
+        another thread while a request is in flight."""
+        return bool(self._hang_up.poll(0))
 
     def _send(self, buffers: list[Any]) -> None:
         i, off = 0, 0

@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import select
 import socket
 import threading
 import time
@@ -73,7 +72,6 @@ except ImportError:  # the compiled core is optional: torch copies then
     _copy_spans = None
 
 log = logging.getLogger(__name__)
-_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 @dataclass(frozen=True)
@@ -254,8 +252,6 @@ class ShmClient:
         """The tenant's first-block table (``map_index``), None where the agent has none."""
         self.local_misses = 0
         """Lookups the first-block table answered (no block held) without a round trip."""
-        self._poll = select.poll()
-        self._poll.register(self._conn.sock.fileno(), _HUNG_UP)
         try:
             if map_arena:
                 self.arena = self._map(cuda)
@@ -373,7 +369,7 @@ class ShmClient:
     def broken(self) -> bool:
         """The connection failed or was closed (by this side, or by the agent: its restart,
         its idle timeout, seen without a round trip): open a new client."""
-        return self._conn.broken or bool(self._poll.poll(0))
+        return self._conn.broken or self._conn.hung_up()
 
     def _mapped(self) -> torch.Tensor:
         """The arena, for a read or a write (ValueError when this client did not map it)."""
