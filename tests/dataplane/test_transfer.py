@@ -305,6 +305,41 @@ def test_a_lease_expires_unpins_and_is_counted(agent: Agent) -> None:
         client.release(lease)  # an expired lease counts as released
 
 
+def test_only_a_deadline_before_the_housekeepers_wake_wakes_it(agent: Agent) -> None:
+    """A lease (or a same-node reservation) wakes the sleeping housekeeper only when it expires
+    before the housekeeper's own next wake. The default deadlines lie past it, and a wake per
+    request cost the agent a housekeeping pass (and an engine call) per same-node PUT."""
+    svc = agent.service
+    wakes = []
+    real_set = svc._lease_added.set
+
+    def counting_set() -> None:
+        wakes.append(time.monotonic())
+        real_set()
+
+    svc._lease_added.set = counting_set  # type: ignore[method-assign]
+    with agent.client() as client:
+        keys = keys_for(13, 2)
+        client.put(NS, keys, random_kv(client, 2, 13))
+
+        def sleeps_for() -> float:
+            return float(agent.call(lambda: svc._wake_at - time.monotonic()))
+
+        deadline = time.monotonic() + 10
+        while sleeps_for() < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sleeps_for() >= 0.3, "the housekeeper never slept for half a second"
+        late = client.lease(NS, keys)  # transfer.lease_ttl_s: 30 s, past the next wake
+        assert late is not None and late.ttl_s == 30.0
+        assert wakes == []
+        soon = client.lease(NS, keys, ttl_s=0.05)
+        assert soon is not None and len(wakes) == 1
+        while len(svc.leases) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(svc.leases) == [late.lease_id] and svc.expired_leases == 1
+        client.release(late)
+
+
 def test_a_lease_ttl_is_bounded_and_leases_count_as_open_sequences(auth_agent: Agent) -> None:
     with auth_agent.client(TOKENS["a"]) as client:
         keys = keys_for(11, 2)

@@ -253,7 +253,10 @@ class AgentService:
         (``open_first_blocks``; ``dataplane/first_blocks.py``)."""
         self.expired_leases = 0
         self._lease_added = asyncio.Event()
-        """Wakes the housekeeping task to schedule a new lease's expiry."""
+        """Wakes the housekeeping task to schedule a new lease's expiry (``_deadline_added``)."""
+        self._wake_at = -math.inf
+        """When the sleeping housekeeper wakes anyway (-inf while it is awake: it reads every
+        deadline before it sleeps again)."""
         self.transfer = TransferCounters()
         self.draining = False
         self.serving = False
@@ -322,10 +325,12 @@ class AgentService:
             # Not ``wait_for``: on Python 3.11 a cancel that lands as the event is set can
             # leave it waiting on the finished wait forever, and ``stop`` with it.
             waiter = asyncio.ensure_future(self._lease_added.wait())
+            self._wake_at = time.monotonic() + delay
             try:
                 await asyncio.wait((waiter,), timeout=delay)
             finally:
                 waiter.cancel()
+                self._wake_at = -math.inf
             self._lease_added.clear()
             try:
                 self.credentials.refresh()
@@ -334,6 +339,13 @@ class AgentService:
                 await self.simulate_policy_curve()
             except Exception:  # housekeeping must outlive any one failure
                 log.exception("housekeeping failed; retrying")
+
+    def _deadline_added(self, at: float) -> None:
+        """A lease or reservation that expires at ``at``: wake the housekeeper only if it
+        sleeps past that. Most deadlines (``transfer.lease_ttl_s``) lie beyond its next
+        regular wake, and a wake per same-node PUT cost the agent a housekeeping pass each."""
+        if at < self._wake_at:
+            self._lease_added.set()
 
     async def expire_idle(self, now: float | None = None) -> int:
         """Release (discarding unwritten KV) every sequence idle past the timeout."""
@@ -749,7 +761,7 @@ class AgentService:
                 self._held(handle),
             )
             self.leases[lease.public_id] = lease
-            self._lease_added.set()
+            self._deadline_added(lease.expires_at)
             self._account(tenant, (), lease.held)
             if salt is not None:
                 self.namespaces[_namespace(salt, ())] = (salt, ())
@@ -932,7 +944,7 @@ class AgentService:
             store.first = (ns.salt(), salt, tokens[:tpb])
             if ttl_s is not None:
                 store.expires_at = time.monotonic() + ttl_s
-                self._lease_added.set()  # the housekeeper schedules its expiry
+                self._deadline_added(store.expires_at)
             self.stores[store.store_id] = store
             self._account(tenant, (), store.held)
             if salt is not None:
