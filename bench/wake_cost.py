@@ -22,7 +22,6 @@ burns idle over the same time (measured first), per request. Medians over rounds
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +41,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 from transfer import AgentProcess
+from vllm_connector import cpu_s
 
 from kvpool_agent.dataplane.keys import KeyNamespace
 from kvpool_agent.dataplane.shm import ShmClient
@@ -77,15 +77,6 @@ async def main():
     await srv.serve_forever()
 asyncio.run(main())
 """
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds the process ran so far, all its threads (scheduler nanoseconds)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
 
 
 class Server:
