@@ -899,6 +899,7 @@ class AgentService:
         salt = tenant_salt(tenant, ns.salt())
         tpb = self.engine.tpb
         tokens = chain_tokens(chain, tpb)
+        listing = (ns.salt(), salt, tokens[:tpb])  # the chain in a first-block table
         n = len(chain)
         if ttl_s is not None:
             if isinstance(ttl_s, bool) or not math.isfinite(ttl_s) or ttl_s <= 0:
@@ -914,7 +915,7 @@ class AgentService:
             if first:
                 d = resident()
                 if d:
-                    self._list_first(tenant, ns.salt(), salt, tokens)
+                    self._list_first(tenant, *listing)
                 if first > d:
                     return StoreStart(None, d, n, gap=True)
                 if d == n:
@@ -923,7 +924,7 @@ class AgentService:
                 self._admit(tenant, n * tpb)
             except RequestError:
                 if not first and resident() == n:  # held already: nothing to admit
-                    self._list_first(tenant, ns.salt(), salt, tokens)
+                    self._list_first(tenant, *listing)
                     return StoreStart(None, n, n)
                 raise
             with self.engine.uncounted():  # storing is not a prefix-cache query
@@ -933,7 +934,7 @@ class AgentService:
             held = handle.num_reused_tokens // tpb
             if held == n:  # the whole chain was resident (a PUT from block 0)
                 self.engine.release(handle.seq_id)
-                self._list_first(tenant, ns.salt(), salt, tokens)
+                self._list_first(tenant, *listing)
                 return StoreStart(None, held, n)
             ids = {}
             for pool, table in enumerate(handle.block_tables):
@@ -941,7 +942,7 @@ class AgentService:
                 ids[pool] = list(table[held - first_block : n - first_block])
             names = (tokens[held * tpb : n * tpb], chain[held:n])
             store = Store(self._new_id(), tenant, handle, held, n, self._held(handle), ids, names)
-            store.first = (ns.salt(), salt, tokens[:tpb])
+            store.first = listing
             if ttl_s is not None:
                 store.expires_at = time.monotonic() + ttl_s
                 self._deadline_added(store.expires_at)
@@ -1038,16 +1039,17 @@ class AgentService:
 
     async def finish_store(self, store: Store) -> None:
         """Commit a filled store: its blocks enter the tree (BlockStored events)."""
+        await self.call(lambda: self._enter_store(store))
 
-        def run() -> None:
-            self.stores.pop(store.store_id)
-            self._name_store(store)
-            self.engine.release(store.handle.seq_id)
-            self._account(store.tenant, store.held, ())
-            if store.first is not None:
-                self._list_first(store.tenant, *store.first)
-
-        await self.call(run)
+    def _enter_store(self, store: Store) -> None:
+        """Inside an engine call: a store's written blocks enter the tree, named by the
+        engine's keys in their events, and its first block in the tenant's table."""
+        self.stores.pop(store.store_id)
+        self._name_store(store)
+        self.engine.release(store.handle.seq_id)
+        self._account(store.tenant, store.held, ())
+        if store.first is not None:
+            self._list_first(store.tenant, *store.first)
 
     async def abort_store(self, store: Store) -> None:
         """Drop a store whose bytes did not all arrive: nothing of it enters the tree."""
@@ -1075,12 +1077,7 @@ class AgentService:
                 raise RequestError(
                     404, f"reservation {store.store_id} is not held (expired or aborted)"
                 )
-            self.stores.pop(store.store_id)
-            self._name_store(store)
-            self.engine.release(store.handle.seq_id)
-            self._account(store.tenant, store.held, ())
-            if store.first is not None:
-                self._list_first(store.tenant, *store.first)
+            self._enter_store(store)
 
         await self.call(run)
 
