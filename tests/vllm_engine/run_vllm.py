@@ -7,7 +7,9 @@
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector's
 scheduler and worker halves, and their counters, are reachable between phases. A phase may
 set a fault of ``faulty.FaultyConnector`` (tests only) and reset vLLM's own prefix cache,
-which makes the next phase a cold engine as far as vLLM's cache goes.
+which makes the next phase a cold engine as far as vLLM's cache goes. Its prompts go to vLLM
+together (one ``generate``, batched as the engine likes) or, with ``one_by_one``, each after
+the one before: a stream of requests.
 """
 
 from __future__ import annotations
@@ -202,7 +204,10 @@ def run_phase(
     prompts = [{"prompt_token_ids": ids} for ids in phase_prompts(phase, earlier)]
     cpu0 = process_cpu_s()
     t0 = time.monotonic()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if phase.get("one_by_one"):  # a stream of requests, each after the one before
+        outputs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.monotonic() - t0
     if worker is not None:
         assert worker.flush(60.0), "the connector's saves did not finish"
@@ -210,6 +215,8 @@ def run_phase(
         "name": phase["name"],
         "prompts": [p["prompt_token_ids"] for p in prompts],
         "elapsed_s": elapsed,
+        # Until the phase's saves were in the pool as well.
+        "flushed_s": time.monotonic() - t0,
         # This process's CPU time (every thread), the phase's saves included: what it took
         # from a shared machine's cores, whatever else ran there meanwhile.
         "cpu_s": process_cpu_s() - cpu0,

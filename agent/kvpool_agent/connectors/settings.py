@@ -136,6 +136,14 @@ class ConnectorSettings(BaseModel):
         le=100_000,
         description="Saves queued for the sender thread; past it new saves are dropped.",
     )
+    save_coalesce_ms: float = Field(
+        default=50.0,
+        ge=0,
+        le=1000,
+        description="How long the sender waits after a save for more to send with it, back "
+        "to back: the agent handles them warm, for less CPU each (a save reaches the pool at "
+        "most this much later); 0 sends each at once.",
+    )
     refresh_s: float = Field(
         default=30.0, gt=0, le=3600, description="How often discovery re-resolves the pool."
     )

@@ -25,7 +25,8 @@ Worker side (layer by layer; ``layerwise.py``)
   before the forward pass. ``save_kv_layer`` copies the layer's blocks that became full this
   step out of vLLM's pages right after the layer's attention wrote them; ``wait_for_save``
   copies any layer the hooks missed, waits for device copies, and hands the blocks to a
-  sender thread that PUTs them (every layer in one request). No page is read after
+  sender thread that PUTs them (every layer in one request; ``saves.py``: it waits up to
+  ``save_coalesce_ms`` for more saves to send with them). No page is read after
   ``wait_for_save`` returns: vLLM may free or reuse its blocks at once (``request_finished``
   never delays a free), and the earliest write to a reused block is in a later step.
 
@@ -44,7 +45,6 @@ a pool must set the same value, or none of them ever hits the others' blocks.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvpool_agent.connectors.saves import Save, SaveQueue
 from kvpool_agent.connectors.settings import (
     ConnectorConfigError,
     ConnectorSettings,
@@ -223,9 +224,11 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._saving: LayerSave | None = None
         self._hooks_ran = False
         """A layer hook ran since this step's metadata was bound (the forward pass began)."""
-        self._saves: queue.Queue[tuple[KeyNamespace, list[bytes], int, torch.Tensor] | None]
-        self._saves = queue.Queue(maxsize=self.settings.max_pending_saves)
-        self._sender: threading.Thread | None = None
+        self._saves = SaveQueue(
+            self._send_save,
+            max_pending=self.settings.max_pending_saves,
+            coalesce_s=self.settings.save_coalesce_ms / 1e3,
+        )
         log.info(
             "kvpool connector (%s): model %r, block size %d, %s",
             role.name.lower(),
@@ -781,62 +784,42 @@ class KvpoolConnector(KVConnectorBase_V1):
             # A request whose load failed computed this step over blocks never loaded.
             if part.req_id in failed:
                 continue
-            item = (self._ns(self._rank), part.keys, part.first, kv)
-            try:
-                self._saves.put_nowait(item)
-            except queue.Full:
-                self.stats.add(saves_dropped=1)
-                continue
             if kv.is_cuda:
                 with self._client_lock:
                     self._device_saves += 1
-            if self._sender is None:
-                self._sender = threading.Thread(
-                    target=self._send_saves, name="kvpool-save", daemon=True
-                )
-                self._sender.start()
-
-    def _send_saves(self) -> None:
-        while (item := self._saves.get()) is not None:
-            ns, keys, first, kv = item
-            del item  # the buffer goes with ``kv``, before the next save is waited for
-            on_device = kv.is_cuda
-            try:
-                client = self._save_client(self.settings.transfer_timeout_s)
-                if client is None or not self._check_geometry(strict=False):
-                    raise TransferConnectionError("no usable replica", request_sent=False)
-                result = client.put(ns, keys, [kv], first=first, priority=self.settings.priority)
-                near = result.stored if _through_socket(client, result.replica) else 0
-                self.stats.add(save_requests=1, saved_blocks=result.stored, node_saved_blocks=near)
-            except (TransferError, TransferConnectionError, OSError) as err:
-                self.stats.add(save_errors=1)
-                log.warning("kvpool: save of %d blocks failed (%s)", len(keys) - first, err)
-            finally:
-                del kv
-                if on_device:
+            if not self._saves.put(Save(self._ns(self._rank), part.keys, part.first, kv)):
+                self.stats.add(saves_dropped=1)
+                if kv.is_cuda:
                     with self._client_lock:
                         self._device_saves -= 1
-                self._saves.task_done()
-        self._saves.task_done()
+
+    def _send_save(self, save: Save) -> None:
+        """In the sender thread (``SaveQueue``): PUT one save; a failure is counted, never
+        raised."""
+        keys, first = save.keys, save.first
+        try:
+            client = self._save_client(self.settings.transfer_timeout_s)
+            if client is None or not self._check_geometry(strict=False):
+                raise TransferConnectionError("no usable replica", request_sent=False)
+            priority = self.settings.priority
+            result = client.put(save.ns, keys, [save.kv], first=first, priority=priority)
+            near = result.stored if _through_socket(client, result.replica) else 0
+            self.stats.add(save_requests=1, saved_blocks=result.stored, node_saved_blocks=near)
+        except (TransferError, TransferConnectionError, OSError) as err:
+            self.stats.add(save_errors=1)
+            log.warning("kvpool: save of %d blocks failed (%s)", len(keys) - first, err)
+        finally:
+            if save.kv.is_cuda:
+                with self._client_lock:
+                    self._device_saves -= 1
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
-        """Wait until every queued save was sent (or failed); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        done = self._saves.all_tasks_done  # notified by the sender's task_done
-        with done:
-            while self._saves.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                done.wait(left)
-        return True
+        """Send the queued saves now and wait until each was sent (or failed); False on
+        timeout."""
+        return self._saves.flush(timeout_s)
 
     def shutdown(self) -> None:
-        if self._sender is not None:
-            self.flush()
-            self._saves.put(None)
-            self._sender.join(timeout=5)
-            self._sender = None
+        self._saves.close(FLUSH_TIMEOUT_S)
         with self._client_lock:
             if self._saver is not None:
                 self._saver[1].close()  # the sibling only: a routed saver shares the TCP pool

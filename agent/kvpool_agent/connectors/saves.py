@@ -1,0 +1,162 @@
+"""A worker's saves on their way to the pool: the queue between the engine's thread, which
+copies new blocks out of vLLM's pages, and the sender thread that stores them.
+
+The sender does not send each save the moment it is queued. It waits up to ``coalesce_s``
+after the first for more, then sends them back to back. An agent (and the sender itself)
+that sat idle while the engine computed pays for the wake-up, its code and data gone cold,
+on every request it handles. In a stream of 1k-token requests on the 2-core development
+machine, a same-node save cost the agent about 1.1 ms of CPU sent at once and 0.8 ms with a
+50 ms wait (``bench/vllm_stream.py``). A save reaches the pool at most that much later.
+
+The wait ends early for a save in GPU memory (those buffers are memory vLLM did not budget
+for), once the batch holds ``COALESCE_BYTES`` or half of the queue's bound, and on
+``flush`` or ``close``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpool_agent.dataplane.keys import KeyNamespace
+
+log = logging.getLogger("kvpool.connector")
+
+COALESCE_BYTES = 16 << 20
+"""A batch this large is sent without waiting for more: per-request costs are small against
+its copies already."""
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Blocks ``first..`` of the chain ``keys``, every layer, copied out of vLLM's pages."""
+
+    ns: KeyNamespace
+    keys: list[bytes]
+    first: int
+    kv: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class _Marker:
+    """A queue item that is not a save."""
+
+
+_FLUSH = _Marker()
+"""Ends the sender's wait for more saves."""
+_STOP = _Marker()
+"""Ends the sender thread, after what it holds is sent."""
+
+
+class SaveQueue:
+    """Saves queued for one sender thread (started on the first ``put``), which calls
+    ``send`` for each, in order. ``send`` counts its own failures; what it raises is logged
+    and the next save goes on."""
+
+    def __init__(
+        self, send: Callable[[Save], None], *, max_pending: int, coalesce_s: float
+    ) -> None:
+        self._send = send
+        self.coalesce_s = coalesce_s
+        self._batch_most = max(1, max_pending // 2)
+        self._queue: queue.Queue[Save | _Marker] = queue.Queue(maxsize=max_pending)
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+
+    def put(self, save: Save) -> bool:
+        """Queue ``save``; False (nothing queued) when ``max_pending`` saves wait already."""
+        try:
+            self._queue.put_nowait(save)
+        except queue.Full:
+            return False
+        with self._start:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvpool-save", daemon=True)
+                self._thread.start()
+        return True
+
+    def flush(self, timeout_s: float) -> bool:
+        """Send what waits now and wait until every queued save was sent (or failed); False
+        on timeout."""
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None:
+            # A full queue ends the wait by itself (half of it fills a batch).
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(_FLUSH)
+        done = self._queue.all_tasks_done  # notified by the sender's task_done
+        with done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                done.wait(left)
+        return True
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued (waiting at most ``timeout_s``), then end the sender."""
+        thread = self._thread
+        if thread is None:
+            return
+        self.flush(timeout_s)
+        with contextlib.suppress(queue.Full):
+            self._queue.put(_STOP, timeout=1.0)
+        thread.join(timeout=5)
+        self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, _Marker):
+                self._queue.task_done()
+                if item is _STOP:
+                    return
+                continue
+            batch = [item]
+            del item
+            stop = self._gather(batch)
+            batch.reverse()
+            while batch:
+                save = batch.pop()
+                try:
+                    self._send(save)
+                except Exception:  # a bug in ``send``: the saves after it still go
+                    log.exception("kvpool: a save of %d blocks failed", len(save.keys) - save.first)
+                finally:
+                    del save  # its buffer goes once sent, not after the next wait
+                    self._queue.task_done()
+            if stop:
+                self._queue.task_done()
+                return
+
+    def _gather(self, batch: list[Save]) -> bool:
+        """Take more saves into ``batch`` until the wait ends; True if ``close`` was asked."""
+        deadline = time.monotonic() + self.coalesce_s
+        nbytes = batch[0].nbytes
+        while not (
+            batch[-1].kv.is_cuda or nbytes >= COALESCE_BYTES or len(batch) >= self._batch_most
+        ):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if item is _STOP:
+                return True
+            if isinstance(item, _Marker):
+                self._queue.task_done()
+                break
+            batch.append(item)
+            nbytes += item.nbytes
+        return False

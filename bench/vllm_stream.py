@@ -1,0 +1,195 @@
+"""What the connector costs a vLLM engine serving a stream of requests the pool cannot help,
+by how its sender batches saves (``save_coalesce_ms``), over the same-node path.
+
+    python bench/vllm_stream.py [--lengths 1024 2048] [--runs 12] [--requests 8]
+                                [--coalesce 0 50] [--out bench/results/vllm_stream.json]
+
+``bench/vllm_connector.py`` times one request at a time and flushes its saves after each, so
+a save is never sent with another there. Here each engine with the connector (one per
+``--coalesce`` value, on the agent's Unix socket, each in a key namespace of its own) serves
+runs of ``--requests`` new prompts, one after the other (``run_vllm.py``'s ``one_by_one``),
+as an engine under light load does. Every run has a twin: as many new prompts of the same
+length that turn the pool off for themselves (``kv_transfer_params``), run next to it in the
+same engine, the order alternating. A run's time lasts until its saves are in the pool
+(``flushed_s``), so a save sent late still counts against the run that made it.
+
+Per engine and length: the median over runs of (run with the pool) / (run without) - 1, and
+the CPU per request of the agent and of the engine process in the runs with the pool less
+in those without. Real vLLM engines on CPU (``.venv-vllm``, the tiny 2-layer model of
+``tests/vllm_engine/run_vllm.py``): compare the ratios, not the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from plots import grouped_bars
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from vllm_connector import BLOCK, REPO, RUNNER, Engine, cpu_s, start_agent, tokens
+
+OFF = {"kvpool": {"load": False, "save": False}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--runs", type=int, default=12, help="runs per engine, length and kind")
+    parser.add_argument("--requests", type=int, default=8, help="requests per run")
+    parser.add_argument("--coalesce", type=float, nargs="+", default=[0.0, 50.0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/vllm_stream.json")
+    args = parser.parse_args()
+    console = Console()
+    subprocess.run(["bash", str(REPO / "hack" / "vllm-venv.sh")], check=True)
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    rng = random.Random(7)
+    runs = [(n, r) for r in range(args.runs) for n in args.lengths]
+    saved_blocks = len(args.coalesce) * len(runs) * args.requests * max(args.lengths) // BLOCK
+    records: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp_name, Progress(console=console) as bar:
+        tmp = Path(tmp_name)
+        subprocess.run([str(python), str(RUNNER), "make-model", str(tmp / "model")], check=True)
+        unix_socket = str(tmp / "agent.sock")
+        agent, _url, _transfer = start_agent(tmp, 2 * saved_blocks, unix_socket)
+        engines: list[Engine] = []
+        try:
+            base = {"model": str(tmp / "model"), "max_model_len": max(args.lengths) + 64}
+            for ms in args.coalesce:
+                name = f"coalesce {ms:g} ms"
+                extra = {
+                    "unix_socket": unix_socket,
+                    "model": f"tiny-llama-{ms:g}",
+                    "save_coalesce_ms": ms,
+                }
+                connector = {
+                    "module": "kvpool_agent.connectors.vllm",
+                    "class": "KvpoolConnector",
+                    "extra": extra,
+                }
+                engines.append(Engine(python, tmp, name, {**base, "connector": connector}))
+            warmup = {"name": "warmup", "prompts": [tokens(rng, 512)], "max_tokens": 1}
+            for engine in engines:
+                engine.ready()
+                engine.phase(warmup)
+            task = bar.add_task("runs, engines in turn", total=len(runs))
+            for i, (n, r) in enumerate(runs):
+                turn = i % len(engines)
+                for engine in engines[turn:] + engines[:turn]:
+                    kinds = ("on", "off") if r % 2 == 0 else ("off", "on")
+                    for kind in kinds:
+                        phase: dict[str, Any] = {
+                            "name": f"{kind}-{n}-{r}",
+                            "prompts": [tokens(rng, n) for _ in range(args.requests)],
+                            "one_by_one": True,
+                            "reset": True,
+                            "max_tokens": 1,
+                        }
+                        if kind == "off":
+                            phase["kv_transfer_params"] = OFF
+                        agent0, engine0 = cpu_s(agent.pid), cpu_s(engine.proc.pid)
+                        record = engine.phase(phase)
+                        record["agent_cpu_s"] = cpu_s(agent.pid) - agent0
+                        record["engine_cpu_s"] = cpu_s(engine.proc.pid) - engine0
+                        record["kind"], record["tokens"] = kind, n
+                        records.setdefault((engine.name, n), []).append(record)
+                bar.advance(task)
+        finally:
+            for engine in engines:
+                engine.stop()
+            agent.kill()
+            agent.wait()
+    rows = summarize(records, args.requests)
+    show(console, rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python bench/vllm_stream.py " + " ".join(sys.argv[1:])}
+    meta |= {"runs": args.runs, "requests_per_run": args.requests}
+    args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    lengths = sorted({row["tokens"] for row in rows})
+    grouped_bars(
+        args.out.with_suffix(".png"),
+        [f"{n} tokens" for n in lengths],
+        {
+            name: [row["overhead"] * 100 for row in rows if row["engine"] == name]
+            for name in dict.fromkeys(row["engine"] for row in rows)
+        },
+        "time of a run with the pool over one without, - 1 (%)",
+        "The connector's cost on a stream of requests without a hit, by save batching",
+    )
+    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def summarize(
+    records: dict[tuple[str, int], list[dict[str, Any]]], requests: int
+) -> list[dict[str, Any]]:
+    """Per engine and length: paired run ratios and the CPU per request, with - without."""
+    rows = []
+    for (name, n), recs in sorted(records.items(), key=lambda kv: kv[0][1]):
+        on = [r for r in recs if r["kind"] == "on"]
+        off = [r for r in recs if r["kind"] == "off"]
+        ratios = [a["flushed_s"] / b["flushed_s"] for a, b in zip(on, off, strict=True)]
+        q = statistics.quantiles(ratios, n=4)
+
+        saved = on[-1]["worker_stats"]
+        rows.append(
+            {
+                "engine": name,
+                "tokens": n,
+                "overhead": statistics.median(ratios) - 1,
+                "overhead_iqr": [q[0] - 1, q[2] - 1],
+                "request_s_without": _per_request("flushed_s", off, requests),
+                "agent_cpu_us": _added_us("agent_cpu_s", on, off, requests),
+                "engine_cpu_us": _added_us("engine_cpu_s", on, off, requests),
+                "save_requests": saved["save_requests"],
+                "saved_blocks": saved["saved_blocks"],
+                "node_saved_blocks": saved["node_saved_blocks"],
+            }
+        )
+    return rows
+
+
+def _per_request(key: str, runs: list[dict[str, Any]], requests: int) -> float:
+    return statistics.median(r[key] for r in runs) / requests
+
+
+def _added_us(
+    key: str, on: list[dict[str, Any]], off: list[dict[str, Any]], requests: int
+) -> float:
+    """CPU per request, runs with the pool less runs without (µs)."""
+    return 1e6 * (_per_request(key, on, requests) - _per_request(key, off, requests))
+
+
+def show(console: Console, rows: list[dict[str, Any]]) -> None:
+    table = Table(title="A stream of requests without a hit: with the pool against without")
+    for col in (
+        "engine",
+        "prompt",
+        "without, ms/request",
+        "overhead (IQR)",
+        "agent CPU µs/request",
+        "engine CPU µs/request",
+    ):
+        table.add_column(col, justify="right")
+    for row in rows:
+        lo, hi = row["overhead_iqr"]
+        table.add_row(
+            row["engine"],
+            str(row["tokens"]),
+            f"{1e3 * row['request_s_without']:.1f}",
+            f"{100 * row['overhead']:+.1f}% ({100 * lo:+.1f} to {100 * hi:+.1f})",
+            f"{row['agent_cpu_us']:.0f}",
+            f"{row['engine_cpu_us']:.0f}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The worker's save queue (``connectors/saves.py``): saves wait for more to go with them,
+and nothing waits past a flush, a full batch or a close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvpool_agent.connectors import saves as saves_module
+from kvpool_agent.connectors.saves import Save, SaveQueue
+from kvpool_agent.dataplane.keys import KeyNamespace
+
+NS = KeyNamespace("m", 0, 0)
+LONG = 30.0
+"""A wait no test sits out: what it sees happens because something ended the wait."""
+
+
+def save(n: int, nbytes: int = 64) -> Save:
+    return Save(NS, [b"%d" % n], 0, torch.zeros(nbytes, dtype=torch.uint8))
+
+
+class Recorder:
+    """A ``send`` that records what it was given (optionally holding until released)."""
+
+    def __init__(self, *, hold: bool = False, fail: set[int] | None = None) -> None:
+        self.sent: list[bytes] = []
+        self.arrived = threading.Condition()
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
+        self.fail = fail or set()
+
+    def __call__(self, s: Save) -> None:
+        self.release.wait(LONG)
+        with self.arrived:
+            self.sent.append(s.keys[0])
+            self.arrived.notify_all()
+        if int(s.keys[0]) in self.fail:
+            raise RuntimeError("a bug in send")
+
+    def wait_for(self, n: int, timeout: float = 10.0) -> bool:
+        with self.arrived:
+            return self.arrived.wait_for(lambda: len(self.sent) >= n, timeout)
+
+
+def test_saves_wait_for_more_and_a_flush_sends_them_in_order() -> None:
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=64, coalesce_s=LONG)
+    for n in range(3):
+        assert q.put(save(n))
+    time.sleep(0.2)
+    assert sent.sent == []  # still waiting for more
+    started = time.monotonic()
+    assert q.flush(10.0)
+    assert time.monotonic() - started < 10.0
+    assert sent.sent == [b"0", b"1", b"2"]
+    q.close(5.0)
+
+
+def test_without_a_wait_each_save_goes_at_once() -> None:
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=64, coalesce_s=0.0)
+    assert q.put(save(0))
+    assert sent.wait_for(1)
+    q.close(5.0)
+
+
+def test_half_the_bound_or_enough_bytes_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=4, coalesce_s=LONG)
+    assert q.put(save(0)) and q.put(save(1))  # 2 = half of 4
+    assert sent.wait_for(2)
+    q.close(5.0)
+
+    monkeypatch.setattr(saves_module, "COALESCE_BYTES", 1024)
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=64, coalesce_s=LONG)
+    assert q.put(save(0, nbytes=1024))
+    assert sent.wait_for(1)
+    q.close(5.0)
+
+
+def test_a_full_queue_refuses_and_keeps_what_it_holds() -> None:
+    sent = Recorder(hold=True)
+    q = SaveQueue(sent, max_pending=2, coalesce_s=0.0)
+    assert q.put(save(0))
+    assert _until(lambda: q._queue.qsize() == 0)  # the sender took it and holds in send
+    assert q.put(save(1)) and q.put(save(2))
+    assert not q.put(save(3))  # dropped: the caller counts it
+    sent.release.set()
+    assert q.flush(10.0)
+    assert sent.sent == [b"0", b"1", b"2"]
+    q.close(5.0)
+
+
+def test_a_send_that_raises_does_not_stop_the_others() -> None:
+    sent = Recorder(fail={1})
+    q = SaveQueue(sent, max_pending=64, coalesce_s=LONG)
+    for n in range(3):
+        assert q.put(save(n))
+    assert q.flush(10.0)
+    assert sent.sent == [b"0", b"1", b"2"]
+    assert q.put(save(3)) and q.flush(10.0)
+    assert sent.sent[-1] == b"3"
+    q.close(5.0)
+
+
+def test_close_sends_what_is_queued_and_ends_the_thread() -> None:
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=64, coalesce_s=LONG)
+    assert q.flush(1.0)  # nothing queued, no thread yet: at once
+    assert q.put(save(0)) and q.put(save(1))
+    thread = q._thread
+    assert thread is not None and thread.is_alive()
+    q.close(10.0)
+    assert sent.sent == [b"0", b"1"]
+    assert not thread.is_alive()
+
+
+def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.01)
+    return False
