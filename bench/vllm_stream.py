@@ -2,7 +2,8 @@
 by how its sender batches saves (``save_coalesce_ms``), over the same-node path.
 
     python bench/vllm_stream.py [--lengths 1024 2048] [--runs 12] [--requests 8]
-                                [--coalesce 0 50] [--out bench/results/vllm_stream.json]
+                                [--coalesce 0 50] [--lookups-only]
+                                [--out bench/results/vllm_stream.json]
 
 ``bench/vllm_connector.py`` times one request at a time and flushes its saves after each, so
 a save is never sent with another there. Here each engine with the connector (one per
@@ -14,9 +15,10 @@ same engine, the order alternating. A run's time lasts until its saves are in th
 (``flushed_s``), so a save sent late still counts against the run that made it.
 
 Per engine and length: the median over runs of (run with the pool) / (run without) - 1, and
-the CPU per request of the agent and of the engine process in the runs with the pool less
-in those without. Real vLLM engines on CPU (``.venv-vllm``, the tiny 2-layer model of
-``tests/vllm_engine/run_vllm.py``): compare the ratios, not the seconds.
+the CPU per request of the agent and of the engine process, and the engine's page faults
+per request, in the runs with the pool less in those without. Real vLLM engines on CPU
+(``.venv-vllm``, the tiny 2-layer model of ``tests/vllm_engine/run_vllm.py``): compare the
+ratios, not the seconds.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=12, help="runs per engine, length and kind")
     parser.add_argument("--requests", type=int, default=8, help="requests per run")
     parser.add_argument("--coalesce", type=float, nargs="+", default=[0.0, 50.0])
+    parser.add_argument(
+        "--lookups-only",
+        action="store_true",
+        help="also an engine with `save: false` (the connector's lookups alone)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/vllm_stream.json")
     args = parser.parse_args()
     console = Console()
@@ -63,13 +70,13 @@ def main() -> None:
         engines: list[Engine] = []
         try:
             base = {"model": str(tmp / "model"), "max_model_len": max(args.lengths) + 64}
-            for ms in args.coalesce:
-                name = f"coalesce {ms:g} ms"
-                extra = {
-                    "unix_socket": unix_socket,
-                    "model": f"tiny-llama-{ms:g}",
-                    "save_coalesce_ms": ms,
-                }
+            variants: list[tuple[str, dict[str, Any]]] = [
+                (f"coalesce {ms:g} ms", {"save_coalesce_ms": ms}) for ms in args.coalesce
+            ]
+            if args.lookups_only:
+                variants.append(("lookups only", {"save": False}))
+            for i, (name, settings) in enumerate(variants):
+                extra = {"unix_socket": unix_socket, "model": f"tiny-llama-{i}", **settings}
                 connector = {
                     "module": "kvpool_agent.connectors.vllm",
                     "class": "KvpoolConnector",
@@ -148,6 +155,8 @@ def summarize(
                 "request_s_without": _per_request("flushed_s", off, requests),
                 "agent_cpu_us": _added_us("agent_cpu_s", on, off, requests),
                 "engine_cpu_us": _added_us("engine_cpu_s", on, off, requests),
+                "engine_faults": _per_request("minor_faults", on, requests)
+                - _per_request("minor_faults", off, requests),
                 "save_requests": saved["save_requests"],
                 "saved_blocks": saved["saved_blocks"],
                 "node_saved_blocks": saved["node_saved_blocks"],
@@ -176,6 +185,7 @@ def show(console: Console, rows: list[dict[str, Any]]) -> None:
         "overhead (IQR)",
         "agent CPU µs/request",
         "engine CPU µs/request",
+        "engine page faults/request",
     ):
         table.add_column(col, justify="right")
     for row in rows:
@@ -187,6 +197,7 @@ def show(console: Console, rows: list[dict[str, Any]]) -> None:
             f"{100 * row['overhead']:+.1f}% ({100 * lo:+.1f} to {100 * hi:+.1f})",
             f"{row['agent_cpu_us']:.0f}",
             f"{row['engine_cpu_us']:.0f}",
+            f"{row['engine_faults']:.0f}",
         )
     console.print(table)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from dataplane.conftest import NS, Agent, agent_config, keys_for, random_kv
 
+from kvpool_agent.connectors.saves import StepBuffers
 from kvpool_agent.connectors.stats import ConnectorStats
 from kvpool_agent.connectors.vllm.layerwise import (
     LayerLoad,
@@ -190,3 +191,28 @@ def test_saves_copy_layer_by_layer_and_finish_what_the_hooks_missed() -> None:
     got = save.finish(views)
     assert [part.req_id for part, _ in got] == ["a", "b"]
     assert torch.equal(got[0][1], want[:, :2]) and torch.equal(got[1][1], want[:, 2:])
+
+
+def test_a_cpu_steps_save_buffer_is_reused_once_its_saves_were_sent() -> None:
+    layout = BlockLayout.for_backend("CPU_ATTN", block_size=32, kv_heads=2, head_dim=32)
+    pages = [torch.randn(8, 2, 32, 64) for _ in range(3)]
+    views = [layout.blocks_view(t) for t in pages]
+    buffers = StepBuffers()
+    parts = [SavePart("a", [], 0, 0, 2), SavePart("b", [], 1, 2, 1)]
+    first = LayerSave(parts, [5, 2, 7], views[0], buffers=buffers)
+    got = first.finish(views)
+    assert torch.equal(torch.cat([kv for _, kv in got], dim=1), gather(views, [5, 2, 7]))
+    done = first.lend(len(got))
+    assert done is not None
+    done()
+    second = LayerSave([SavePart("c", [], 0, 0, 1)], [3], views[0], buffers=buffers)
+    second.finish(views)
+    assert second.out is not None
+    # One of the first step's saves is still queued: its buffer is not handed out again.
+    assert second.out.data_ptr() != got[0][1].data_ptr()
+    done()
+    third = LayerSave([SavePart("d", [], 0, 0, 2)], [1, 6], views[0], buffers=buffers)
+    ((_, kv),) = third.finish(views)
+    assert kv.data_ptr() == got[0][1].data_ptr()  # the first step's buffer, back in use
+    assert torch.equal(kv, gather(views, [1, 6]))
+    assert LayerSave(parts, [5, 2, 7], views[0]).lend(2) is None  # not from a pool

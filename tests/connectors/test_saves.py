@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpool_agent.connectors import saves as saves_module
-from kvpool_agent.connectors.saves import Save, SaveQueue
+from kvpool_agent.connectors.saves import Save, SaveQueue, StepBuffers
 from kvpool_agent.dataplane.keys import KeyNamespace
 
 NS = KeyNamespace("m", 0, 0)
@@ -128,3 +128,37 @@ def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_step_buffers_come_back_best_fit_and_within_bounds() -> None:
+    buffers = StepBuffers(keep=2, largest=1 << 20)
+    small, large = buffers.take(100_000), buffers.take(600_000)
+    assert small.numel() >= 100_000 and large.numel() >= 600_000
+    buffers.give(large)
+    buffers.give(small)
+    assert buffers.take(50_000) is small  # the smallest that fits
+    assert buffers.take(200_000) is large
+    fresh = buffers.take(50_000)
+    assert fresh is not small and fresh is not large
+    huge = buffers.take(2 << 20)
+    buffers.give(huge)  # larger than `largest`: not kept
+    buffers.give(small)
+    buffers.give(large)
+    buffers.give(fresh)  # `keep` (2) reached: not kept
+    got = [buffers.take(10) for _ in range(3)]
+    assert any(b is small for b in got) and any(b is large for b in got)
+    assert not any(b is huge or b is fresh for b in got)
+
+
+def test_a_lent_buffer_comes_back_after_its_last_save_and_the_queue_calls_done() -> None:
+    buffers = StepBuffers()
+    buf = buffers.take(1 << 16)
+    done = buffers.lend(buf, 2)
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=64, coalesce_s=LONG)
+    assert q.put(Save(NS, [b"0"], 0, buf[:64], done))
+    assert q.put(Save(NS, [b"1"], 0, buf[64:128], done))
+    assert buffers.take(10) is not buf  # both saves still queued
+    assert q.flush(10.0)
+    assert buffers.take(10) is buf
+    q.close(5.0)

@@ -177,6 +177,13 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def minor_faults() -> int:
+    """Page faults of this process so far that needed no disk (fresh or shared pages)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run_phase(
     llm: Any, spec: dict[str, Any], phase: dict[str, Any], earlier: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
@@ -202,7 +209,7 @@ def run_phase(
 
         FaultyConnector.configure(fault, phase.get("fault_args", {}))
     prompts = [{"prompt_token_ids": ids} for ids in phase_prompts(phase, earlier)]
-    cpu0 = process_cpu_s()
+    cpu0, faults0 = process_cpu_s(), minor_faults()
     t0 = time.monotonic()
     if phase.get("one_by_one"):  # a stream of requests, each after the one before
         outputs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
@@ -220,6 +227,7 @@ def run_phase(
         # This process's CPU time (every thread), the phase's saves included: what it took
         # from a shared machine's cores, whatever else ran there meanwhile.
         "cpu_s": process_cpu_s() - cpu0,
+        "minor_faults": minor_faults() - faults0,
         "outputs": [
             {
                 "tokens": list(o.outputs[0].token_ids),

@@ -57,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpool_agent.connectors.saves import Save, SaveQueue
+from kvpool_agent.connectors.saves import Save, SaveQueue, StepBuffers
 from kvpool_agent.connectors.settings import (
     ConnectorConfigError,
     ConnectorSettings,
@@ -224,6 +224,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._saving: LayerSave | None = None
         self._hooks_ran = False
         """A layer hook ran since this step's metadata was bound (the forward pass began)."""
+        self._buffers = StepBuffers()
+        """The steps' save buffers on a CPU engine, reused."""
         self._saves = SaveQueue(
             self._send_save,
             max_pending=self.settings.max_pending_saves,
@@ -754,7 +756,13 @@ class KvpoolConnector(KVConnectorBase_V1):
                 block_ids.extend(spec.block_ids)
         if not parts:
             return None
-        self._saving = LayerSave(parts, block_ids, self._views[0], on_device=self._save_on_device())
+        self._saving = LayerSave(
+            parts,
+            block_ids,
+            self._views[0],
+            on_device=self._save_on_device(),
+            buffers=self._buffers,
+        )
         return self._saving
 
     def _save_on_device(self) -> bool:
@@ -780,15 +788,20 @@ class KvpoolConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         parts = saving.finish(self._views)
         self.stats.add(copy_out_s=time.perf_counter() - started)
+        done = saving.lend(len(parts))
         for part, kv in parts:
             # A request whose load failed computed this step over blocks never loaded.
             if part.req_id in failed:
+                if done is not None:
+                    done()
                 continue
             if kv.is_cuda:
                 with self._client_lock:
                     self._device_saves += 1
-            if not self._saves.put(Save(self._ns(self._rank), part.keys, part.first, kv)):
+            if not self._saves.put(Save(self._ns(self._rank), part.keys, part.first, kv, done)):
                 self.stats.add(saves_dropped=1)
+                if done is not None:
+                    done()
                 if kv.is_cuda:
                     with self._client_lock:
                         self._device_saves -= 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpool_agent.connectors.saves import StepBuffers
 from kvpool_agent.connectors.stats import ConnectorStats
 from kvpool_agent.dataplane.client import (
     KVClient,
@@ -287,6 +289,7 @@ class LayerSave:
         like: torch.Tensor,
         *,
         on_device: bool = False,
+        buffers: StepBuffers | None = None,
     ) -> None:
         self.parts = parts
         self.index = torch.tensor(list(block_ids), dtype=torch.long, device=like.device)
@@ -295,6 +298,9 @@ class LayerSave:
         self.out: torch.Tensor | None = None
         self._shape = (len(block_ids), *like.shape[1:])
         self._dtype = like.dtype
+        self._buffers = buffers if like.device.type == "cpu" else None
+        """Where a CPU step's buffer comes from (pinned and device memory torch caches)."""
+        self._flat: torch.Tensor | None = None
         self.copied: set[int] = set()
 
     def copy(self, views: Sequence[torch.Tensor], layer: int) -> bool:
@@ -304,12 +310,18 @@ class LayerSave:
         if layer in self.copied:
             return False
         if self.out is None:
-            self.out = torch.empty(
-                (len(views), *self._shape),
-                dtype=self._dtype,
-                device=self.device if self.on_device else None,
-                pin_memory=self.device.type == "cuda" and not self.on_device,
-            )
+            shape = (len(views), *self._shape)
+            if self._buffers is not None:
+                nbytes = math.prod(shape) * self._dtype.itemsize
+                self._flat = self._buffers.take(nbytes)
+                self.out = self._flat[:nbytes].view(self._dtype).view(shape)
+            else:
+                self.out = torch.empty(
+                    shape,
+                    dtype=self._dtype,
+                    device=self.device if self.on_device else None,
+                    pin_memory=self.device.type == "cuda" and not self.on_device,
+                )
         view = views[layer]
         if self.device.type == "cpu" or self.on_device:
             torch.index_select(view, 0, self.index, out=self.out[layer])
@@ -330,3 +342,11 @@ class LayerSave:
         if len(self.parts) == 1:
             return [(self.parts[0], out)]
         return [(part, out[:, part.start : part.start + part.count]) for part in self.parts]
+
+    def lend(self, users: int) -> Callable[[], None] | None:
+        """After ``finish``: the callback each of the ``users`` saves cut from the step's
+        buffer calls once it is sent (the last gives the buffer back); None when the buffer
+        is not one of ``buffers``'."""
+        if self._buffers is None or self._flat is None:
+            return None
+        return self._buffers.lend(self._flat, users)
