@@ -84,13 +84,14 @@ class StepBuffers:
     def lend(self, buffer: torch.Tensor, users: int) -> Callable[[], None]:
         """A callback for each of ``users`` saves cut from ``buffer``: the last call gives the
         buffer back."""
-        left = [users]
+        left = users
         lock = threading.Lock()
 
         def done() -> None:
+            nonlocal left
             with lock:
-                left[0] -= 1
-                last = left[0] == 0
+                left -= 1
+                last = left == 0
             if last:
                 self.give(buffer)
 
