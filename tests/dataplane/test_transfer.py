@@ -17,7 +17,7 @@ from kvpool_agent.dataplane.client import (
     TransferError,
 )
 from kvpool_agent.dataplane.keys import KeyNamespace
-from kvpool_agent.dataplane.protocol import F_ERROR, Op, data_bytes, frame
+from kvpool_agent.dataplane.protocol import F_ERROR, HEADER_SIZE, Op, data_bytes, frame
 from kvpool_agent.server.metrics import AgentMetrics
 
 from .conftest import (
@@ -499,6 +499,28 @@ def test_idle_connections_are_closed() -> None:
         with agent.client() as client:  # a pooled connection the agent closed is replaced
             client.ping()
             time.sleep(0.6)
+            client.ping()
+    finally:
+        agent.close()
+
+
+def test_a_frame_whose_metadata_trickles_in_is_cut_off_at_the_header_deadline() -> None:
+    """``header_timeout_s`` bounds a frame's header and metadata together: bytes that keep
+    coming, each well within it, do not keep the connection open past it."""
+    agent = Agent(agent_config(transfer={"port": 0, "header_timeout_s": 0.5}))
+    try:
+        slow = Raw(agent.address)
+        slow.auth()
+        whole = frame(Op.PING, 2, {"pad": "x" * 64})
+        slow.send(whole[: HEADER_SIZE + 1])
+        start = time.monotonic()
+        with pytest.raises(OSError):  # the agent closes the connection under the sender
+            for byte in whole[HEADER_SIZE + 1 :]:
+                slow.send(bytes([byte]))
+                time.sleep(0.05)
+        assert time.monotonic() - start < 0.5 + 2
+        assert slow.closed(timeout=5)
+        with agent.client() as client:  # the agent serves others as before
             client.ping()
     finally:
         agent.close()

@@ -8,6 +8,7 @@ validated retention policy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -148,5 +149,18 @@ def namespace_of(cache_salt: str | None, extra_keys: Sequence[int | str]) -> int
         return 0
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidTokensError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    text = repr((cache_salt, tuple(extra_keys))).encode()
+    if not extra_keys:
+        return _salt_digest(cache_salt)
+    return _namespace_digest(cache_salt, tuple(extra_keys))
+
+
+def _namespace_digest(cache_salt: str | None, extra_keys: tuple[int | str, ...]) -> int:
+    text = repr((cache_salt, extra_keys)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _salt_digest(cache_salt: str) -> int:
+    """A salt's root, remembered: a data-plane store asks for its tenant's twice, and a node
+    serves few tenants."""
+    return _namespace_digest(cache_salt, ())

@@ -635,6 +635,11 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 # --------------------------------------------------------------------- one connection
 
 
@@ -672,22 +677,30 @@ class Connection:
 
     # ------------------------------------------------------------- socket primitives
 
-    async def _wait(self, write: bool) -> None:
+    async def _wait(self, write: bool, deadline: float | None = None) -> None:
+        """Until the socket is readable (writable), or TimeoutError at ``deadline`` (the
+        loop's clock). The timer exists only while the wait does: a frame whose bytes are
+        already there costs none (two ``asyncio.timeout`` contexts per frame were about a
+        tenth of the agent's py-spy samples of same-node saves, docs/dataplane.md)."""
         fut: asyncio.Future[None] = self.loop.create_future()
         if write:
             self.loop.add_writer(self.fd, _wake, fut)
         else:
             self.loop.add_reader(self.fd, _wake, fut)
+        timer = None if deadline is None else self.loop.call_at(deadline, _expire, fut)
         try:
             await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             if write:
                 self.loop.remove_writer(self.fd)
             else:
                 self.loop.remove_reader(self.fd)
 
-    async def _recv_into(self, buffers: list[memoryview]) -> int:
-        """Receive into ``buffers`` (scatter): at least one byte, or ConnectionClosed."""
+    async def _recv_into(self, buffers: list[memoryview], deadline: float | None = None) -> int:
+        """Receive into ``buffers`` (scatter): at least one byte, or ConnectionClosed (or
+        TimeoutError once the loop's clock passes ``deadline``)."""
         while True:
             try:
                 if len(buffers) == 1:
@@ -695,7 +708,7 @@ class Connection:
                 else:
                     n = self.sock.recvmsg_into(buffers)[0]
             except (BlockingIOError, InterruptedError):
-                await self._wait(write=False)
+                await self._wait(False, deadline)
                 continue
             except OSError as err:
                 raise ConnectionClosed(str(err)) from None
@@ -755,8 +768,9 @@ class Connection:
                 await fut
             raise
 
-    async def _fill(self, n: int) -> None:
-        """At least ``n`` (<= READ_BUFFER) bytes read ahead."""
+    async def _fill(self, n: int, deadline: float | None = None) -> None:
+        """At least ``n`` (<= READ_BUFFER) bytes read ahead (by ``deadline``, as
+        ``_recv_into``)."""
         if self._r1 - self._r0 >= n:
             return
         if self._r0 == self._r1:
@@ -766,34 +780,39 @@ class Connection:
             self._buf[:size] = self._buf[self._r0 : self._r1]
             self._r0, self._r1 = 0, size
         while self._r1 - self._r0 < n:
-            self._r1 += await self._recv_into([self._view[self._r1 :]])
+            self._r1 += await self._recv_into([self._view[self._r1 :]], deadline)
 
-    async def _take(self, n: int) -> bytes:
+    async def _take(self, n: int, deadline: float | None = None) -> bytes:
         if n <= READ_BUFFER:
-            await self._fill(n)
+            await self._fill(n, deadline)
             out = bytes(self._view[self._r0 : self._r0 + n])
             self._r0 += n
             return out
         big = bytearray(n)
-        await self.read_plan([memoryview(big)], checksum=False)
+        await self.read_plan([memoryview(big)], checksum=False, deadline=deadline)
         return bytes(big)
 
-    async def read_plan(self, plan: list[memoryview | int], *, checksum: bool) -> int:
+    async def read_plan(
+        self, plan: list[memoryview | int], *, checksum: bool, deadline: float | None = None
+    ) -> int:
         """Receive the next bytes of the stream into ``plan`` in order: a memoryview is
         filled, an int is that many bytes drained. Returns the CRC-32 of all of them (0
-        unless ``checksum``)."""
+        unless ``checksum``). ``deadline``: as ``_recv_into``'s (a worker thread's read, of
+        ``THREAD_BYTES`` or more, ends by then too, and always within ``body_timeout_s``)."""
         cursor = _RecvCursor(plan, checksum, self._scratch)
         if self._r1 > self._r0 and not cursor.done():  # read ahead with the header
             self._r0 += cursor.take(self._view[self._r0 : self._r1])
         if cursor.done():
             return cursor.crc
         if cursor.total >= THREAD_BYTES:
-            deadline = time.monotonic() + self.config.body_timeout_s
-            await self._in_thread(_recv_blocking, self.sock, cursor, deadline, self._abort)
+            until = time.monotonic() + self.config.body_timeout_s
+            if deadline is not None:  # the loop's clock to the thread's
+                until = min(until, time.monotonic() + deadline - self.loop.time())
+            await self._in_thread(_recv_blocking, self.sock, cursor, until, self._abort)
             return cursor.crc
         while not cursor.done():
             batch = cursor.batch()
-            cursor.advance(await self._recv_into(batch), batch)
+            cursor.advance(await self._recv_into(batch, deadline), batch)
         return cursor.crc
 
     async def receive(self, receiver: Any) -> None:
@@ -970,72 +989,59 @@ class Connection:
         cfg = self.config
         while True:
             try:
-                async with asyncio.timeout(cfg.idle_timeout_s):
-                    await self._fill(1)
+                await self._fill(1, self.loop.time() + cfg.idle_timeout_s)
                 break
             except TimeoutError:
                 if self._pending:
                     continue  # the client is busy reading a long reply
                 raise
         self._last_op, self._last_id = 0, 0
-        async with asyncio.timeout(cfg.header_timeout_s):
-            raw = await self._take(HEADER_SIZE)
-            header = unpack_header(raw)
-            self._last_op, self._last_id = header.op, header.request_id
-            if header.op not in _OPS:
-                raise ProtocolError(BAD_FRAME, f"frame: unknown opcode {header.op}")
-            if header.flags & (F_RESPONSE | F_ERROR):
-                raise ProtocolError(BAD_FRAME, "frame: a request may not set RESPONSE or ERROR")
-            if header.meta_len > cfg.max_meta_bytes:
-                raise ProtocolError(
-                    TOO_LARGE,
-                    f"frame: {header.meta_len} bytes of metadata, more than "
-                    f"{cfg.max_meta_bytes} (transfer.max_meta_bytes)",
-                )
-            if header.data_len > cfg.max_frame_bytes:
-                raise ProtocolError(
-                    TOO_LARGE,
-                    f"frame: {header.data_len} bytes of data, more than {cfg.max_frame_bytes} "
-                    "(transfer.max_frame_bytes)",
-                )
-            if header.data_len and header.op not in OPS_WITH_DATA:
-                raise ProtocolError(BAD_FRAME, f"frame: {Op(header.op).name} carries no data")
-            if header.flags & F_CRC and header.op not in OPS_WITH_DATA:
-                raise ProtocolError(BAD_FRAME, f"frame: {Op(header.op).name} has no checksum")
-            meta = unpack_meta(await self._take(header.meta_len))
+        deadline = self.loop.time() + cfg.header_timeout_s
+        raw = await self._take(HEADER_SIZE, deadline)
+        header = unpack_header(raw)
+        self._last_op, self._last_id = header.op, header.request_id
+        if header.op not in _OPS:
+            raise ProtocolError(BAD_FRAME, f"frame: unknown opcode {header.op}")
+        if header.flags & (F_RESPONSE | F_ERROR):
+            raise ProtocolError(BAD_FRAME, "frame: a request may not set RESPONSE or ERROR")
+        if header.meta_len > cfg.max_meta_bytes:
+            raise ProtocolError(
+                TOO_LARGE,
+                f"frame: {header.meta_len} bytes of metadata, more than "
+                f"{cfg.max_meta_bytes} (transfer.max_meta_bytes)",
+            )
+        if header.data_len > cfg.max_frame_bytes:
+            raise ProtocolError(
+                TOO_LARGE,
+                f"frame: {header.data_len} bytes of data, more than {cfg.max_frame_bytes} "
+                "(transfer.max_frame_bytes)",
+            )
+        if header.data_len and header.op not in OPS_WITH_DATA:
+            raise ProtocolError(BAD_FRAME, f"frame: {Op(header.op).name} carries no data")
+        if header.flags & F_CRC and header.op not in OPS_WITH_DATA:
+            raise ProtocolError(BAD_FRAME, f"frame: {Op(header.op).name} has no checksum")
+        meta = unpack_meta(await self._take(header.meta_len, deadline))
         return header, meta
 
     # ------------------------------------------------------------- requests
 
     async def _dispatch(self, header: Header, meta: dict[str, Any]) -> None:
-        op = Op(header.op)
-        if op is Op.AUTH:
+        op = header.op
+        if op == Op.AUTH:
             await self._auth(header, meta)
             return
-        if op is Op.PUT:
+        if op == Op.PUT:
             await self._put(header, meta)
             return
-        handler = {
-            Op.PING: self._ping,
-            Op.LOOKUP: self._lookup,
-            Op.LEASE: self._lease,
-            Op.RELEASE: self._release,
-            Op.GET: self._get,
-            Op.MAP: self._map,
-            Op.MAP_INDEX: self._map_index,
-            Op.GET_SHM: self._get_shm,
-            Op.PUT_SHM: self._put_shm,
-            Op.COMMIT: self._commit_reservation,
-            Op.ABORT: self._abort_reservation,
-        }[op]
+        handler = _HANDLERS[op]
         try:
             if op in SHM_OPS and not self.local:
                 raise RequestError(
                     FORBIDDEN,
-                    f"{op.name}: a same-node op, only over the agent's Unix socket "
+                    f"{Op(op).name}: a same-node op, only over the agent's Unix socket "
                     "(transfer.unix_socket)",
                 )
-            await handler(header, meta)
+            await handler(self, header, meta)
         except RequestError as err:
             await self._send(_Reply(_error(op, header.request_id, err.status, err.reason)))
         except CacheError as err:
@@ -1426,6 +1432,22 @@ class Connection:
                     await task
                 raise
         return crc
+
+
+_HANDLERS: dict[int, Callable[[Connection, Header, dict[str, Any]], Awaitable[None]]] = {
+    Op.PING: Connection._ping,
+    Op.LOOKUP: Connection._lookup,
+    Op.LEASE: Connection._lease,
+    Op.RELEASE: Connection._release,
+    Op.GET: Connection._get,
+    Op.MAP: Connection._map,
+    Op.MAP_INDEX: Connection._map_index,
+    Op.GET_SHM: Connection._get_shm,
+    Op.PUT_SHM: Connection._put_shm,
+    Op.COMMIT: Connection._commit_reservation,
+    Op.ABORT: Connection._abort_reservation,
+}
+"""What serves each request after AUTH (AUTH and PUT are dispatched before the table)."""
 
 
 # --------------------------------------------------------------------- data buffers
