@@ -14,9 +14,13 @@ for the reply, then sleeps ``gap`` before the next:
   2 KV heads, head dim 32, 32 tokens per block).
 
 CPU is the server process's, all its threads (``/proc/<pid>/task/*/schedstat``), less what it
-burns idle over the same time (measured first), per request. Medians over rounds.
+burns idle over the same time (measured first), per request; the client's is its calling
+thread's (``time.thread_time``). Medians over rounds. ``--before WORKTREE`` runs a second
+agent from that checkout's packages beside this one, in the same rounds (its rows named
+``before``): the clients are this tree's for both.
 
-    python bench/wake_cost.py [--rounds 3] [--gaps 0 1 5 15] [--out bench/results/wake_cost.json]
+    python bench/wake_cost.py [--rounds 3] [--gaps 0 1 5 15] [--before WORKTREE]
+                              [--out bench/results/wake_cost.json]
 """
 
 from __future__ import annotations
@@ -90,18 +94,20 @@ class Server:
         time.sleep(2.0)
         self.idle_rate = (cpu_s(pid) - before) / (time.perf_counter() - start)
 
-    def measure(self, gap_s: float, n: int) -> tuple[float, float]:
-        """CPU seconds per request (idle rate taken out) and the client's median wait."""
+    def measure(self, gap_s: float, n: int) -> tuple[float, float, float]:
+        """CPU seconds per request (idle rate taken out), the client's CPU seconds per
+        request and its median wait."""
         waits = []
-        start, before = time.perf_counter(), cpu_s(self.pid)
+        start, before, mine = time.perf_counter(), cpu_s(self.pid), time.thread_time()
         for _ in range(n):
             if gap_s:
                 time.sleep(gap_s)
             t = time.perf_counter()
             self.request()
             waits.append(time.perf_counter() - t)
+        client = (time.thread_time() - mine) / n
         busy = cpu_s(self.pid) - before - self.idle_rate * (time.perf_counter() - start)
-        return max(busy, 0.0) / n, statistics.median(waits)
+        return max(busy, 0.0) / n, client, statistics.median(waits)
 
 
 def echo_server(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
@@ -121,7 +127,7 @@ def echo_server(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
     return proc, Server(f"{kind} echo", proc.pid, echo)
 
 
-def agent_servers(agent: AgentProcess) -> tuple[ShmClient, list[Server]]:
+def agent_servers(agent: AgentProcess, label: str = "agent") -> tuple[ShmClient, list[Server]]:
     client = ShmClient(agent.unix_socket, timeout=30)
     geo = client.geometry()
     kv = [torch.randn(geo.kv_shape(p.index, BLOCKS)).to(torch.bfloat16) for p in geo.pools]
@@ -134,11 +140,27 @@ def agent_servers(agent: AgentProcess) -> tuple[ShmClient, list[Server]]:
         chain = [hashlib.sha256(b"put/%d/%d" % (count[0], j)).digest() for j in range(BLOCKS)]
         client.put(ns, chain, kv)
 
+    pid = agent.proc.pid
     return client, [
-        Server("agent PING", agent.proc.pid, client.ping),
-        Server(f"agent LOOKUP {BLOCKS}", agent.proc.pid, lambda: client.lookup(ns, looked)),
-        Server(f"agent PUT {BLOCKS} blocks", agent.proc.pid, put),
+        Server(f"{label} PING", pid, client.ping),
+        Server(f"{label} LOOKUP {BLOCKS}", pid, lambda: client.lookup(ns, looked)),
+        Server(f"{label} PUT {BLOCKS} blocks", pid, put),
     ]
+
+
+def agent_of(tmp: Path, tree: Path | None) -> AgentProcess:
+    """A real agent; with ``tree``, that checkout's packages first on its ``PYTHONPATH``."""
+    if tree is None:
+        return AgentProcess(tmp, MODEL, 8192 * BLOCK_BYTES, None, tokens_per_block=TPB)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("agent", "cli"))
+    try:
+        return AgentProcess(tmp, MODEL, 8192 * BLOCK_BYTES, None, tokens_per_block=TPB)
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def main() -> None:
@@ -146,37 +168,50 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gaps", type=float, nargs="+", default=[0.0, 1.0, 5.0, 15.0])
     parser.add_argument("--requests", type=int, default=300, help="per cell and round")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of another version (a git worktree): its agent too, in the same "
+        "rounds, its rows named 'before'",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/wake_cost.json")
     args = parser.parse_args()
     console = Console(width=max(Console().width, 110))
     procs: list[subprocess.Popen[bytes]] = []
     cpu: dict[tuple[str, float], list[float]] = {}
+    client_cpu: dict[tuple[str, float], list[float]] = {}
     wait: dict[tuple[str, float], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp_name, Progress(console=console) as bar:
         tmp = Path(tmp_name)
-        agent = AgentProcess(tmp, MODEL, 8192 * BLOCK_BYTES, None, tokens_per_block=TPB)
-        client = None
+        agents = [agent_of(tmp, None)]
+        if args.before is not None:
+            agents.append(agent_of(tmp, args.before))
+        clients: list[ShmClient] = []
         try:
             servers = []
             for kind in ECHOES:
                 proc, server = echo_server(kind, tmp)
                 procs.append(proc)
                 servers.append(server)
-            client, agents = agent_servers(agent)
-            servers += agents
+            for agent, label in zip(agents, ("agent", "before"), strict=False):
+                client, theirs = agent_servers(agent, label)
+                clients.append(client)
+                servers += theirs
             cells = bar.add_task("rounds x gaps x servers", total=args.rounds * len(args.gaps))
             for r in range(args.rounds):
                 for gap in args.gaps:
                     order = servers if r % 2 == 0 else servers[::-1]
                     for server in order:
-                        c, w = server.measure(gap / 1e3, args.requests)
+                        c, mine, w = server.measure(gap / 1e3, args.requests)
                         cpu.setdefault((server.name, gap), []).append(c)
+                        client_cpu.setdefault((server.name, gap), []).append(mine)
                         wait.setdefault((server.name, gap), []).append(w)
                     bar.advance(cells)
         finally:
-            if client is not None:
+            for client in clients:
                 client.close()
-            agent.stop()
+            for agent in agents:
+                agent.stop()
             for proc in procs:
                 proc.kill()
                 proc.wait()
@@ -190,6 +225,7 @@ def main() -> None:
                     "gap_ms": gap,
                     "cpu_us": 1e6 * statistics.median(cpu[(name, gap)]),
                     "cpu_us_rounds": [1e6 * x for x in cpu[(name, gap)]],
+                    "client_cpu_us": 1e6 * statistics.median(client_cpu[(name, gap)]),
                     "client_wait_us": 1e6 * statistics.median(wait[(name, gap)]),
                 }
             )
@@ -200,6 +236,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "rounds": args.rounds,
         "requests_per_cell": args.requests,
+        "before": None if args.before is None else _commit(args.before),
     }
     args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     grouped_bars(
@@ -213,15 +250,26 @@ def main() -> None:
     console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
+def _commit(tree: Path) -> str:
+    """The commit a checkout is at (what a 'before' row ran)."""
+    out = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or str(tree)
+
+
 def show(console: Console, rows: list[dict[str, Any]], gaps: list[float]) -> None:
-    table = Table(title="Server CPU per request, µs (client's wait in brackets)")
+    table = Table(title="Server CPU per request, µs (client's CPU / wait in brackets)")
     table.add_column("server")
     for gap in gaps:
         table.add_column(f"{gap:g} ms apart", justify="right")
     table.add_column(f"{gaps[-1]:g} ms / {gaps[0]:g} ms", justify="right")
     for name in dict.fromkeys(r["server"] for r in rows):
         mine = [r for r in rows if r["server"] == name]
-        cells = [f"{r['cpu_us']:.0f} ({r['client_wait_us']:.0f})" for r in mine]
+        cells = [
+            f"{r['cpu_us']:.0f} ({r['client_cpu_us']:.0f} / {r['client_wait_us']:.0f})"
+            for r in mine
+        ]
         first = mine[0]["cpu_us"]
         cells.append(f"{mine[-1]['cpu_us'] / first:.1f}x" if first else "-")
         table.add_row(name, *cells)
