@@ -61,6 +61,34 @@ def test_saves_wait_for_more_and_a_flush_sends_them_in_order() -> None:
     q.close(5.0)
 
 
+class CountingCondition(threading.Condition):
+    """A condition that counts the wakes asked of it."""
+
+    notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        super().notify(n)
+
+
+def test_saves_queued_during_the_wait_do_not_wake_the_sender() -> None:
+    """The first save wakes the sender, which waits for more; the saves that come meanwhile
+    join its batch without waking it (each wake took the engine's thread off its core)."""
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=64, coalesce_s=LONG)
+    wakes = CountingCondition(q._lock)
+    q._wake = wakes
+    assert q.put(save(0))
+    assert _until(lambda: not q._idle)  # the sender woke and waits for more
+    for n in range(1, 5):
+        assert q.put(save(n))
+    assert wakes.notified == 1
+    assert q.flush(10.0)  # the flush ends the wait: one more wake
+    assert wakes.notified == 2
+    assert sent.sent == [b"%d" % n for n in range(5)]
+    q.close(5.0)
+
+
 def test_without_a_wait_each_save_goes_at_once() -> None:
     sent = Recorder()
     q = SaveQueue(sent, max_pending=64, coalesce_s=0.0)
@@ -88,7 +116,7 @@ def test_a_full_queue_refuses_and_keeps_what_it_holds() -> None:
     sent = Recorder(hold=True)
     q = SaveQueue(sent, max_pending=2, coalesce_s=0.0)
     assert q.put(save(0))
-    assert _until(lambda: q._queue.qsize() == 0)  # the sender took it and holds in send
+    assert _until(lambda: not q._items)  # the sender took it and holds in send
     assert q.put(save(1)) and q.put(save(2))
     assert not q.put(save(3))  # dropped: the caller counts it
     sent.release.set()

@@ -10,16 +10,18 @@ machine, a same-node save cost the agent about 1.1 ms of CPU sent at once and 0.
 
 The wait ends early for a save in GPU memory (those buffers are memory vLLM did not budget
 for), once the batch holds ``COALESCE_BYTES`` or half of the queue's bound, and on
-``flush`` or ``close``.
+``flush`` or ``close``. Only the first save of a batch, and what ends a wait, wakes the
+sender: the saves queued meanwhile join the batch without a wake (the woken sender took a
+core from vLLM's compute threads each time: 5.6 to 6.2 wakes of the sender per 1k-token
+request before, 3.9 to 4.2 after, its replies' waits included).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,25 +113,46 @@ _STOP = _Marker()
 class SaveQueue:
     """Saves queued for one sender thread (started on the first ``put``), which calls
     ``send`` for each, in order. ``send`` counts its own failures; what it raises is logged
-    and the next save goes on."""
+    and the next save goes on.
+
+    A ``put`` wakes the sender only when it must: to start a batch, or to end a batch's wait
+    early. The saves that come during the wait join the batch without waking it."""
 
     def __init__(
         self, send: Callable[[Save], None], *, max_pending: int, coalesce_s: float
     ) -> None:
         self._send = send
         self.coalesce_s = coalesce_s
+        self._max_pending = max_pending
         self._batch_most = max(1, max_pending // 2)
-        self._queue: queue.Queue[Save | _Marker] = queue.Queue(maxsize=max_pending)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        """The sender waits on it: for a first save, then for its batch's wait to end."""
+        self._finished = threading.Condition(self._lock)
+        """``flush`` waits on it for the queued saves to be sent."""
+        self._items: deque[Save | _Marker] = deque()
+        self._bytes = 0
+        """Bytes of the saves in ``_items``."""
+        self._urgent = False
+        """A save in GPU memory or a marker is in ``_items``: the wait ends."""
+        self._unsent = 0
+        """Saves queued or being sent."""
+        self._idle = True
+        """The sender waits for a first save: a ``put`` must wake it."""
         self._thread: threading.Thread | None = None
-        self._start = threading.Lock()
 
     def put(self, save: Save) -> bool:
         """Queue ``save``; False (nothing queued) when ``max_pending`` saves wait already."""
-        try:
-            self._queue.put_nowait(save)
-        except queue.Full:
-            return False
-        with self._start:
+        with self._lock:
+            if len(self._items) >= self._max_pending:
+                return False
+            self._items.append(save)
+            self._bytes += save.nbytes
+            self._unsent += 1
+            if save.kv.is_cuda:
+                self._urgent = True
+            if self._idle or self._full():
+                self._wake.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvpool-save", daemon=True)
                 self._thread.start()
@@ -139,17 +162,14 @@ class SaveQueue:
         """Send what waits now and wait until every queued save was sent (or failed); False
         on timeout."""
         deadline = time.monotonic() + timeout_s
-        if self._thread is not None:
-            # A full queue ends the wait by itself (half of it fills a batch).
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(_FLUSH)
-        done = self._queue.all_tasks_done  # notified by the sender's task_done
-        with done:
-            while self._queue.unfinished_tasks:
+        with self._lock:
+            if self._unsent:
+                self._mark(_FLUSH)
+            while self._unsent:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                done.wait(left)
+                self._finished.wait(left)
         return True
 
     def close(self, timeout_s: float) -> None:
@@ -158,22 +178,24 @@ class SaveQueue:
         if thread is None:
             return
         self.flush(timeout_s)
-        with contextlib.suppress(queue.Full):
-            self._queue.put(_STOP, timeout=1.0)
+        with self._lock:
+            self._mark(_STOP)
         thread.join(timeout=5)
         self._thread = None
 
+    def _mark(self, marker: _Marker) -> None:
+        """Under the lock: queue ``marker``, which ends the sender's wait."""
+        self._items.append(marker)
+        self._urgent = True
+        self._wake.notify()
+
+    def _full(self) -> bool:
+        """Under the lock: whether what is queued ends the wait for more."""
+        return self._urgent or self._bytes >= COALESCE_BYTES or len(self._items) >= self._batch_most
+
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if isinstance(item, _Marker):
-                self._queue.task_done()
-                if item is _STOP:
-                    return
-                continue
-            batch = [item]
-            del item
-            stop = self._gather(batch)
+            batch, stop = self._gather()
             batch.reverse()
             while batch:
                 save = batch.pop()
@@ -185,30 +207,36 @@ class SaveQueue:
                     if save.done is not None:
                         save.done()
                     del save  # its buffer goes once sent, not after the next wait
-                    self._queue.task_done()
+                    with self._lock:
+                        self._unsent -= 1
+                        if not self._unsent:
+                            self._finished.notify_all()
             if stop:
-                self._queue.task_done()
                 return
 
-    def _gather(self, batch: list[Save]) -> bool:
-        """Take more saves into ``batch`` until the wait ends; True if ``close`` was asked."""
-        deadline = time.monotonic() + self.coalesce_s
-        nbytes = batch[0].nbytes
-        while not (
-            batch[-1].kv.is_cuda or nbytes >= COALESCE_BYTES or len(batch) >= self._batch_most
-        ):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                item = self._queue.get(timeout=left)
-            except queue.Empty:
-                break
-            if item is _STOP:
-                return True
-            if isinstance(item, _Marker):
-                self._queue.task_done()
-                break
-            batch.append(item)
-            nbytes += item.nbytes
-        return False
+    def _gather(self) -> tuple[list[Save], bool]:
+        """Wait for a save, then up to ``coalesce_s`` for more unless what is queued ends the
+        wait; the batch is the saves before the first marker, at most half the queue's
+        bound. True with it when ``close`` asked the sender to end."""
+        with self._lock:
+            self._idle = True
+            while not self._items:
+                self._wake.wait()
+            self._idle = False
+            deadline = time.monotonic() + self.coalesce_s
+            while not self._full():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.wait(left)
+            batch: list[Save] = []
+            stop = False
+            while self._items and len(batch) < self._batch_most:
+                item = self._items.popleft()
+                if isinstance(item, _Marker):
+                    stop = item is _STOP
+                    break
+                batch.append(item)
+                self._bytes -= item.nbytes
+            self._urgent = any(isinstance(i, _Marker) or i.kv.is_cuda for i in self._items)
+            return batch, stop

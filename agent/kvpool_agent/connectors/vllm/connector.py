@@ -808,7 +808,10 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _send_save(self, save: Save) -> None:
         """In the sender thread (``SaveQueue``): PUT one save; a failure is counted, never
-        raised."""
+        raised. On a CPU engine no torch operation that may run in parallel belongs in this
+        thread: an OpenMP team beside vLLM's made vLLM's compute threads sleep instead of
+        spin, and every request slower (docs/vllm.md, "Measured"). The save's buffer is
+        contiguous, so the clients move it with plain copies."""
         keys, first = save.keys, save.first
         try:
             client = self._save_client(self.settings.transfer_timeout_s)
