@@ -58,10 +58,11 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), flashinfer {flash
       f" {torch.cuda.get_device_name()}, compiled core {kvpool_native.__name__}")
 EOF
 
-# 1. The data plane, the connector's copies and sizing on CUDA (no flashinfer).
+# 1. The data plane, the connector's copies and save queue, and sizing on CUDA (no flashinfer).
 step tests 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
   tests/dataplane/test_cuda_paths.py tests/dataplane/test_shm.py \
-  tests/connectors/test_layerwise_cuda.py tests/agent/test_sizing_cuda.py \
+  tests/connectors/test_layerwise_cuda.py tests/connectors/test_saves.py \
+  tests/agent/test_sizing_cuda.py \
   tests/kernels/test_flashinfer_gpu.py -k "not flashinfer_matches and not append_matches"
 # 2. The connector's GPU copies against the copy rates of the same machine.
 step bench-connector 120 python3 bench/connector_gpu.py --out "$OUT/res"

@@ -149,6 +149,22 @@ def test_close_sends_what_is_queued_and_ends_the_thread() -> None:
     assert not thread.is_alive()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_save_in_gpu_memory_ends_the_wait() -> None:
+    """A save in GPU memory (memory vLLM did not budget for) is sent without waiting for
+    more, and takes the saves queued before it along."""
+    sent = Recorder()
+    q = SaveQueue(sent, max_pending=64, coalesce_s=LONG)
+    assert q.put(save(0))
+    assert _until(lambda: not q._idle)  # waiting for more
+    on_gpu = Save(NS, [b"1"], 0, torch.zeros(64, dtype=torch.uint8, device="cuda"))
+    assert q.put(on_gpu)
+    assert sent.wait_for(2)
+    assert sent.sent == [b"0", b"1"]
+    q.close(5.0)
+
+
 def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
