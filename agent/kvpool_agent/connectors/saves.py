@@ -133,8 +133,8 @@ class SaveQueue:
         self._items: deque[Save | _Marker] = deque()
         self._bytes = 0
         """Bytes of the saves in ``_items``."""
-        self._urgent = False
-        """A save in GPU memory or a marker is in ``_items``: the wait ends."""
+        self._urgent = 0
+        """Saves in GPU memory and markers in ``_items``: while there is one, no wait."""
         self._unsent = 0
         """Saves queued or being sent."""
         self._idle = True
@@ -149,8 +149,7 @@ class SaveQueue:
             self._items.append(save)
             self._bytes += save.nbytes
             self._unsent += 1
-            if save.kv.is_cuda:
-                self._urgent = True
+            self._urgent += save.kv.is_cuda
             if self._idle or self._full():
                 self._wake.notify()
             if self._thread is None:
@@ -186,12 +185,16 @@ class SaveQueue:
     def _mark(self, marker: _Marker) -> None:
         """Under the lock: queue ``marker``, which ends the sender's wait."""
         self._items.append(marker)
-        self._urgent = True
+        self._urgent += 1
         self._wake.notify()
 
     def _full(self) -> bool:
         """Under the lock: whether what is queued ends the wait for more."""
-        return self._urgent or self._bytes >= COALESCE_BYTES or len(self._items) >= self._batch_most
+        return (
+            bool(self._urgent)
+            or self._bytes >= COALESCE_BYTES
+            or len(self._items) >= self._batch_most
+        )
 
     def _run(self) -> None:
         while True:
@@ -234,9 +237,10 @@ class SaveQueue:
             while self._items and len(batch) < self._batch_most:
                 item = self._items.popleft()
                 if isinstance(item, _Marker):
+                    self._urgent -= 1
                     stop = item is _STOP
                     break
                 batch.append(item)
                 self._bytes -= item.nbytes
-            self._urgent = any(isinstance(i, _Marker) or i.kv.is_cuda for i in self._items)
+                self._urgent -= item.kv.is_cuda
             return batch, stop
