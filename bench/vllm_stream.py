@@ -14,9 +14,11 @@ length that turn the pool off for themselves (``kv_transfer_params``), run next 
 same engine, the order alternating. A run's time lasts until its saves are in the pool
 (``flushed_s``), so a save sent late still counts against the run that made it.
 
-Per engine and length: the median over runs of (run with the pool) / (run without) - 1, and
-the CPU per request of the agent and of the engine process, and the engine's page faults
-per request, in the runs with the pool less in those without. Real vLLM engines on CPU
+Per engine and length: the median over runs of (run with the pool) / (run without) - 1; the
+same for the requests alone ("served only": until the last output, before the run's last
+saves are in), and the saves' tail (ms from the last output until they are in, with the
+pool); and the CPU per request of the agent and of the engine process, and the engine's page
+faults per request, in the runs with the pool less in those without. Real vLLM engines on CPU
 (``.venv-vllm``, the tiny 2-layer model of ``tests/vllm_engine/run_vllm.py``): compare the
 ratios, not the seconds.
 """
@@ -120,18 +122,28 @@ def main() -> None:
     meta = {"command": "python bench/vllm_stream.py " + " ".join(sys.argv[1:])}
     meta |= {"runs": args.runs, "requests_per_run": args.requests}
     args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    plot(args.out.with_suffix(".png"), rows)
+    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Per length, the whole run's overhead and the requests' own (served only)."""
     lengths = sorted({row["tokens"] for row in rows})
+    by = {(row["engine"], row["tokens"]): row for row in rows}
     grouped_bars(
-        args.out.with_suffix(".png"),
-        [f"{n} tokens" for n in lengths],
+        path,
+        [label for n in lengths for label in (f"{n} tokens", f"{n}: served only")],
         {
-            name: [row["overhead"] * 100 for row in rows if row["engine"] == name]
+            name: [
+                100 * by[name, n][key] if (name, n) in by else 0.0
+                for n in lengths
+                for key in ("overhead", "overhead_served")
+            ]
             for name in dict.fromkeys(row["engine"] for row in rows)
         },
-        "time of a run with the pool over one without, - 1 (%)",
+        "time with the pool over without, - 1 (%)",
         "The connector's cost on a stream of requests without a hit, by save batching",
     )
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 def summarize(
@@ -144,6 +156,7 @@ def summarize(
         off = [r for r in recs if r["kind"] == "off"]
         ratios = [a["flushed_s"] / b["flushed_s"] for a, b in zip(on, off, strict=True)]
         q = statistics.quantiles(ratios, n=4)
+        served = [a["elapsed_s"] / b["elapsed_s"] for a, b in zip(on, off, strict=True)]
 
         saved = on[-1]["worker_stats"]
         rows.append(
@@ -152,6 +165,8 @@ def summarize(
                 "tokens": n,
                 "overhead": statistics.median(ratios) - 1,
                 "overhead_iqr": [q[0] - 1, q[2] - 1],
+                "overhead_served": statistics.median(served) - 1,
+                "tail_ms": 1e3 * statistics.median(r["flushed_s"] - r["elapsed_s"] for r in on),
                 "request_s_without": _per_request("flushed_s", off, requests),
                 "agent_cpu_us": _added_us("agent_cpu_s", on, off, requests),
                 "engine_cpu_us": _added_us("engine_cpu_s", on, off, requests),
@@ -183,6 +198,8 @@ def show(console: Console, rows: list[dict[str, Any]]) -> None:
         "prompt",
         "without, ms/request",
         "overhead (IQR)",
+        "served only",
+        "saves' tail, ms/run",
         "agent CPU µs/request",
         "engine CPU µs/request",
         "engine page faults/request",
@@ -195,6 +212,8 @@ def show(console: Console, rows: list[dict[str, Any]]) -> None:
             str(row["tokens"]),
             f"{1e3 * row['request_s_without']:.1f}",
             f"{100 * row['overhead']:+.1f}% ({100 * lo:+.1f} to {100 * hi:+.1f})",
+            f"{100 * row['overhead_served']:+.1f}%",
+            f"{row['tail_ms']:.2f}",
             f"{row['agent_cpu_us']:.0f}",
             f"{row['engine_cpu_us']:.0f}",
             f"{row['engine_faults']:.0f}",
