@@ -135,9 +135,7 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
         [label for n in lengths for label in (f"{n} tokens", f"{n}: served only")],
         {
             name: [
-                100 * by[name, n][key] if (name, n) in by else 0.0
-                for n in lengths
-                for key in ("overhead", "overhead_served")
+                100 * by[name, n][key] for n in lengths for key in ("overhead", "overhead_served")
             ]
             for name in dict.fromkeys(row["engine"] for row in rows)
         },

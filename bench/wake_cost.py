@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from plots import grouped_bars
@@ -150,17 +151,10 @@ def agent_servers(agent: AgentProcess, label: str = "agent") -> tuple[ShmClient,
 
 def agent_of(tmp: Path, tree: Path | None) -> AgentProcess:
     """A real agent; with ``tree``, that checkout's packages first on its ``PYTHONPATH``."""
-    if tree is None:
+    packages = [] if tree is None else [str(tree / d) for d in ("agent", "cli")]
+    paths = {"PYTHONPATH": os.pathsep.join(packages)} if packages else {}
+    with mock.patch.dict(os.environ, paths):  # the agent's process inherits it
         return AgentProcess(tmp, MODEL, 8192 * BLOCK_BYTES, None, tokens_per_block=TPB)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("agent", "cli"))
-    try:
-        return AgentProcess(tmp, MODEL, 8192 * BLOCK_BYTES, None, tokens_per_block=TPB)
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 def main() -> None:

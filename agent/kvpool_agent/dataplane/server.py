@@ -805,9 +805,10 @@ class Connection:
         if cursor.done():
             return cursor.crc
         if cursor.total >= THREAD_BYTES:
-            until = time.monotonic() + self.config.body_timeout_s
+            now = time.monotonic()
+            until = now + self.config.body_timeout_s
             if deadline is not None:  # the loop's clock to the thread's
-                until = min(until, time.monotonic() + deadline - self.loop.time())
+                until = min(until, now + deadline - self.loop.time())
             await self._in_thread(_recv_blocking, self.sock, cursor, until, self._abort)
             return cursor.crc
         while not cursor.done():
