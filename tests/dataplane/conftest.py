@@ -158,8 +158,9 @@ class Agent:
 @pytest.fixture(params=["compiled", "python"])
 def data_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test on both byte movers: the compiled ones (``kvpool_native.Receiver`` for a
-    PUT's receive, ``Sender`` for a GET's send, ``copy_spans`` for the same-node copies) and
-    the Python fallbacks that serve when the compiled core is not installed."""
+    PUT's receive, ``Sender`` for a GET's send, ``copy_spans`` for the same-node copies,
+    ``shm_put`` for a same-node PUT's whole exchange) and the Python fallbacks that serve
+    when the compiled core is not installed."""
     if request.param == "compiled":
         if server_module.Receiver is None or shm_module._copy_spans is None:
             pytest.skip("the compiled core (kvpool_native) is not installed")
@@ -167,6 +168,7 @@ def data_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(server_module, "Receiver", None)
         monkeypatch.setattr(server_module, "Sender", None)
         monkeypatch.setattr(shm_module, "_copy_spans", None)
+        monkeypatch.setattr(shm_module, "_shm_put", None)
     return str(request.param)
 
 

@@ -264,8 +264,9 @@ def test_tcp_sees_what_shm_put_and_shm_sees_what_tcp_put(shm_agent: ShmAgent) ->
     assert pinned(shm_agent) == 0
 
 
-def test_shm_put_extends_a_resident_prefix(shm_agent: ShmAgent) -> None:
+def test_shm_put_extends_a_resident_prefix(shm_agent: ShmAgent, data_path: str) -> None:
     with shm_agent.shm() as client:
+        sent = _count_requests(client)
         keys = keys_for(4, 6)
         kv = random_kv(client, 6, seed=4)
         assert client.put(NS, keys[:2], [t[:, :2] for t in kv]).stored == 2
@@ -277,12 +278,49 @@ def test_shm_put_extends_a_resident_prefix(shm_agent: ShmAgent) -> None:
         with pytest.raises(ChainGapError) as gap:
             client.put(NS, keys_for(5, 3), [t[:, 1:3] for t in kv], first=1)
         assert gap.value.resident == 0
+        # The compiled exchange runs on the socket without the Python connection's sends.
+        python_ops = [Op.PUT_SHM, Op.COMMIT] * 2 + [Op.PUT_SHM] * 2
+        assert sent == ([] if data_path == "compiled" else python_ops)
         lease = client.lease(NS, keys)
         assert lease is not None
         out = client.empty_kv(6)
         client.get_into(lease, out)
         client.release(lease)
         assert torch.equal(out[0], kv[0])
+        assert not shm_agent.service.stores
+
+
+def test_a_put_whose_data_does_not_fit_changes_nothing(shm_agent: ShmAgent, data_path: str) -> None:
+    with shm_agent.shm() as client:
+        keys = keys_for(8, 3)
+        kv = random_kv(client, 3, seed=8)
+        before = shm_agent.state()
+        # Two blocks of data for the three the agent reserves: aborted, nothing copied.
+        with pytest.raises(ValueError, match=r"kv\[0\]"):
+            client.put(NS, keys, [t[:, :2] for t in kv])
+        with pytest.raises(ValueError, match=r"kv\[0\]"):  # a wrong layer count: not sent
+            client.put(NS, keys, [t[:1] for t in kv])
+        assert shm_agent.state() == before
+        assert pinned(shm_agent) == 0 and not shm_agent.service.stores
+        assert client.lookup(NS, keys) == []
+        assert client.put(NS, keys, kv).stored == 3  # the connection is still in step
+        lease = client.lease(NS, keys)
+        assert lease is not None
+        out = client.empty_kv(3)
+        client.get_into(lease, out)
+        client.release(lease)
+        assert torch.equal(out[0], kv[0])
+
+
+def test_a_put_to_an_agent_gone_away_breaks_the_connection(sock_dir: str) -> None:
+    gone = ShmAgent(agent_config(), os.path.join(sock_dir, "agent.sock"))
+    client = gone.shm()
+    kv = random_kv(client, 2, seed=9)
+    gone.close()
+    with pytest.raises(TransferConnectionError):
+        client.put(NS, keys_for(9, 2), kv)
+    assert client.broken
+    client.close()
 
 
 def test_put_many_stores_each_chain_as_put_would(shm_agent: ShmAgent) -> None:
@@ -703,6 +741,7 @@ def _fill_remote(doc: dict[str, Any]) -> None:
 _DYING_CLIENT = """
 import os, sys, time
 from kvpool_agent.dataplane.keys import KeyNamespace
+from kvpool_agent.dataplane import shm as shm_module
 from kvpool_agent.dataplane.shm import ShmClient
 client = ShmClient(sys.argv[1], token=sys.argv[2])
 keys = [bytes([i]) * 32 for i in range(4)]

@@ -351,7 +351,7 @@ class _Connection:
         try:
             self._send([frame(op, rid, meta, data_len=nbytes, crc=crc), *data])
         except (OSError, ValueError) as err:
-            raise self._broke(err) from err
+            raise self.broke(err) from err
         return rid
 
     def receive(
@@ -367,13 +367,9 @@ class _Connection:
             if head.request_id != rid and head.request_id != 0:
                 raise ConnectionError(f"reply to request {head.request_id}, expected {rid}")
             if head.flags & F_ERROR:
-                status, reason = int(reply.get("status", 0)), str(reply.get("reason", ""))
                 if head.data_len:
                     self._recv_bytes(head.data_len)
-                if reply.get("closing"):
-                    self.close()  # the agent closes the connection after this one
-                cls = ChainGapError if status == CONFLICT and "resident" in reply else TransferError
-                raise cls(status, reason, reply)
+                raise self.refusal(reply)
             if into is not None:
                 want = sum(len(b) for b in into)
                 if head.data_len != want:
@@ -391,9 +387,29 @@ class _Connection:
         except TransferError:
             raise
         except (OSError, ConnectionError, ValueError, struct.error) as err:
-            raise self._broke(err) from err
+            raise self.broke(err) from err
 
-    def _broke(self, err: BaseException) -> TransferConnectionError:
+    def refusal(self, reply: dict[str, Any]) -> TransferError:
+        """The error an error reply's metadata stands for (``ChainGapError`` for a gap); the
+        connection is closed when the agent said it closes it after this reply."""
+        status, reason = int(reply.get("status", 0)), str(reply.get("reason", ""))
+        if reply.get("closing"):
+            self.close()
+        cls = ChainGapError if status == CONFLICT and "resident" in reply else TransferError
+        return cls(status, reason, reply)
+
+    def hand_over(self, ids: int) -> int | None:
+        """The first of ``ids`` request ids taken for an exchange that compiled code runs on
+        this socket (``ShmClient.put``), which then counts as sent; None when bytes were
+        read ahead (the exchange would miss them: ``send`` and ``receive`` must run it)."""
+        if self.broken or self._r0 != self._r1:
+            return None
+        rid = self.next_id
+        self.next_id += ids
+        self.sent_any = True
+        return rid
+
+    def broke(self, err: BaseException) -> TransferConnectionError:
         """Close the connection (its state is unknown) and say why."""
         self.close()
         why = f"timed out ({self.timeout:g}s)" if isinstance(err, BlockingIOError) else err

@@ -63,13 +63,17 @@ from kvpool_agent.dataplane.protocol import (
     Op,
     PoolLayout,
     lease_range_error,
+    pack_meta,
+    unpack_meta,
 )
 from kvpool_agent.hugepages import MADV_POPULATE_WRITE, advise_huge_pages
 
 try:
     from kvpool_native import copy_spans as _copy_spans
+    from kvpool_native import shm_put as _shm_put
 except ImportError:  # the compiled core is optional: torch copies then
     _copy_spans = None
+    _shm_put = None
 
 log = logging.getLogger(__name__)
 
@@ -630,7 +634,19 @@ class ShmClient:
         priority: int | None = None,
     ) -> PutResult:
         """Store a chain (reserve, copy in, commit); the same contract as
-        ``TransferClient.put``. A failed copy aborts the reservation."""
+        ``TransferClient.put``. A failed copy aborts the reservation.
+
+        Into a memfd arena, with the compiled core, the whole exchange runs in compiled code
+        that holds no GIL (``kvpool_native.shm_put``): a vLLM worker's sender thread then
+        takes next to nothing from the engine's own thread (docs/vllm.md, "Where the time
+        goes")."""
+        if _shm_put is not None and self._mapping is not None:
+            sources = self._sources(kv, first, len(keys))
+            with self._lock:
+                rid = self._conn.hand_over(2)
+                if rid is not None:
+                    meta = pack_meta(_reserve_meta(ns, keys, first, priority, None))
+                    return self._put_compiled(rid, meta, first, sources)
         reservation = self.reserve(ns, keys, first=first, priority=priority)
         try:
             self.write(reservation, kv)
@@ -639,6 +655,42 @@ class ShmClient:
                 self.abort(reservation)
             raise
         return self.commit(reservation)
+
+    def _sources(
+        self, kv: torch.Tensor | Sequence[torch.Tensor], first: int, total: int
+    ) -> list[tuple[Any, int, int, int, int, int, int]]:
+        """Per pool, what ``shm_put`` copies from (see there), ``kv`` checked as ``write``
+        checks it but for its block count, which the reservation decides."""
+        geo = self._geometry
+        out = []
+        for p, tensor in zip(geo.pools, _per_pool(kv, geo), strict=True):
+            if tensor is None:
+                raise ValueError(f"kv: pool {p.index} has no tensor")
+            blocks = int(tensor.shape[1]) if tensor.dim() > 1 else total - first
+            _check(tensor, geo.kv_shape(p.index, blocks), TORCH_DTYPES[p.dtype], f"kv[{p.index}]")
+            host = tensor.to("cpu", memory_format=torch.contiguous_format)
+            place = self._placements[p.index]
+            layout = (place.base, place.layer_stride, place.block_stride, place.piece)
+            out.append((_host_bytes(host), *layout, len(p.layers), blocks))
+        return out
+
+    def _put_compiled(
+        self, rid: int, meta: bytes, first: int, sources: list[tuple[Any, ...]]
+    ) -> PutResult:
+        """Under the lock: ``put``'s exchange as requests ``rid`` and ``rid + 1``, compiled."""
+        conn = self._conn
+        try:
+            outcome = _shm_put(conn.sock.fileno(), rid, meta, first, self._mapping, sources)
+        except (OSError, ValueError) as err:  # ConnectionError is an OSError
+            raise conn.broke(err) from err
+        kind = outcome[0]
+        if kind == "stored":
+            return PutResult(self.path, int(outcome[1]), int(outcome[2]))
+        if kind == "held":
+            return PutResult(self.path, 0, int(outcome[1]))
+        if kind == "refused":
+            raise conn.refusal(unpack_meta(outcome[1]))
+        raise ValueError(f"kv: {outcome[1]}")  # "mismatch": the reservation was aborted
 
     def put_many(
         self,

@@ -8,7 +8,7 @@
 //! Beside the engine, [`copy`] holds the data plane's byte movers (`kvpool_agent/dataplane`):
 //! scatter/gather copies and socket receives over the arena's pieces; [`wire`] encodes the
 //! engine's events as the msgpack batches the agent publishes; [`keys`] turns the data plane's
-//! engine keys into their blocks' synthetic tokens.
+//! engine keys into their blocks' synthetic tokens; [`shm`] is the same-node client's PUT.
 
 // The engine walks several per-group arrays in step (blocks, pins, windows, queues), as the
 // Python engine it follows does; index loops say that more plainly than zipped iterators.
@@ -20,6 +20,7 @@ pub mod engine;
 pub mod eviction;
 pub mod keys;
 pub mod pyhash;
+pub mod shm;
 pub mod wire;
 
 #[cfg(feature = "python")]

@@ -13,5 +13,6 @@ fn kvpool_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::copy::py::register(m)?;
     crate::wire::py::register(m)?;
     crate::keys::py::register(m)?;
+    crate::shm::py::register(m)?;
     Ok(())
 }
