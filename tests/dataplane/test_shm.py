@@ -298,7 +298,7 @@ def test_a_put_whose_data_does_not_fit_changes_nothing(shm_agent: ShmAgent, data
         # Two blocks of data for the three the agent reserves: aborted, nothing copied.
         with pytest.raises(ValueError, match=r"kv\[0\]"):
             client.put(NS, keys, [t[:, :2] for t in kv])
-        with pytest.raises(ValueError, match=r"kv\[0\]"):  # a wrong layer count: not sent
+        with pytest.raises(ValueError, match=r"kv\[0\]"):  # a wrong layer count
             client.put(NS, keys, [t[:1] for t in kv])
         assert shm_agent.state() == before
         assert pinned(shm_agent) == 0 and not shm_agent.service.stores
@@ -741,7 +741,6 @@ def _fill_remote(doc: dict[str, Any]) -> None:
 _DYING_CLIENT = """
 import os, sys, time
 from kvpool_agent.dataplane.keys import KeyNamespace
-from kvpool_agent.dataplane import shm as shm_module
 from kvpool_agent.dataplane.shm import ShmClient
 client = ShmClient(sys.argv[1], token=sys.argv[2])
 keys = [bytes([i]) * 32 for i in range(4)]

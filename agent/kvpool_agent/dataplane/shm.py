@@ -637,9 +637,9 @@ class ShmClient:
         ``TransferClient.put``. A failed copy aborts the reservation.
 
         Into a memfd arena, with the compiled core, the whole exchange runs in compiled code
-        that holds no GIL (``kvpool_native.shm_put``): a vLLM worker's sender thread then
-        takes next to nothing from the engine's own thread (docs/vllm.md, "Where the time
-        goes")."""
+        that holds no GIL (``kvpool_native.shm_put``): a caller's thread holds the
+        interpreter lock only around the call, not through the round trips and the copy
+        (docs/dataplane.md, "Same node")."""
         if _shm_put is not None and self._mapping is not None:
             sources = self._sources(kv, first, len(keys))
             with self._lock:
@@ -690,7 +690,7 @@ class ShmClient:
             return PutResult(self.path, 0, int(outcome[1]))
         if kind == "refused":
             raise conn.refusal(unpack_meta(outcome[1]))
-        raise ValueError(f"kv: {outcome[1]}")  # "mismatch": the reservation was aborted
+        raise ValueError(str(outcome[1]))  # "mismatch": the reservation was aborted
 
     def put_many(
         self,
