@@ -20,7 +20,12 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.dataplane.client import ChainGapError, TransferConnectionError, TransferError
+from kvpool_agent.dataplane.client import (
+    ChainGapError,
+    TransferClient,
+    TransferConnectionError,
+    TransferError,
+)
 from kvpool_agent.dataplane.cuda_ipc import CudaArenaHandle, NotOnCuda, export_arena, local_index
 from kvpool_agent.dataplane.protocol import (
     F_ERROR,
@@ -101,6 +106,17 @@ def pinned(agent: Agent) -> int:
 
 def used(agent: Agent) -> int:
     return sum(int(row["blocks_used"]) for row in agent.usage())
+
+
+def read_chain(client: ShmClient | TransferClient, keys: list[bytes]) -> torch.Tensor:
+    """Every block of the chain ``keys`` as the agent holds it (pool 0), read under a lease
+    that is released again."""
+    lease = client.lease(NS, keys)
+    assert lease is not None and lease.count == len(keys)
+    out = client.empty_kv(len(keys))
+    client.get_into(lease, out)
+    client.release(lease)
+    return out[0]
 
 
 # ---------------------------------------------------------------------- round trips
@@ -249,18 +265,8 @@ def test_tcp_sees_what_shm_put_and_shm_sees_what_tcp_put(shm_agent: ShmAgent) ->
         assert client.put(NS, a, kv_a).stored == 5
         assert tcp.put(NS, b, kv_b).stored == 4
         assert tcp.lookup(NS, a) == ["primary"] * 5
-        lease = tcp.lease(NS, a)
-        assert lease is not None
-        out = tcp.empty_kv(5)
-        tcp.get_into(lease, out)
-        tcp.release(lease)
-        assert torch.equal(out[0], kv_a[0])
-        lease = client.lease(NS, b)
-        assert lease is not None
-        out = client.empty_kv(4)
-        client.get_into(lease, out)
-        client.release(lease)
-        assert torch.equal(out[0], kv_b[0])
+        assert torch.equal(read_chain(tcp, a), kv_a[0])
+        assert torch.equal(read_chain(client, b), kv_b[0])
     assert pinned(shm_agent) == 0
 
 
@@ -281,12 +287,7 @@ def test_shm_put_extends_a_resident_prefix(shm_agent: ShmAgent, data_path: str) 
         # The compiled exchange runs on the socket without the Python connection's sends.
         python_ops = [Op.PUT_SHM, Op.COMMIT] * 2 + [Op.PUT_SHM] * 2
         assert sent == ([] if data_path == "compiled" else python_ops)
-        lease = client.lease(NS, keys)
-        assert lease is not None
-        out = client.empty_kv(6)
-        client.get_into(lease, out)
-        client.release(lease)
-        assert torch.equal(out[0], kv[0])
+        assert torch.equal(read_chain(client, keys), kv[0])
         assert not shm_agent.service.stores
 
 
@@ -304,12 +305,7 @@ def test_a_put_whose_data_does_not_fit_changes_nothing(shm_agent: ShmAgent, data
         assert pinned(shm_agent) == 0 and not shm_agent.service.stores
         assert client.lookup(NS, keys) == []
         assert client.put(NS, keys, kv).stored == 3  # the connection is still in step
-        lease = client.lease(NS, keys)
-        assert lease is not None
-        out = client.empty_kv(3)
-        client.get_into(lease, out)
-        client.release(lease)
-        assert torch.equal(out[0], kv[0])
+        assert torch.equal(read_chain(client, keys), kv[0])
 
 
 def test_a_put_to_an_agent_gone_away_breaks_the_connection(sock_dir: str) -> None:
@@ -333,12 +329,7 @@ def test_put_many_stores_each_chain_as_put_would(shm_agent: ShmAgent) -> None:
         # In order; a resident prefix is skipped, a chain held whole costs nothing.
         assert [(r.stored, r.resident) for r in results] == [(3, 0), (2, 2), (0, 5), (6, 0)]
         for keys, kv in zip(chains, kvs, strict=True):
-            lease = client.lease(NS, keys)
-            assert lease is not None and lease.count == len(keys)
-            out = client.empty_kv(len(keys))
-            client.get_into(lease, out)
-            client.release(lease)
-            assert torch.equal(out[0], kv[0])
+            assert torch.equal(read_chain(client, keys), kv[0])
         assert client.put_many(NS, []) == []
     assert pinned(shm_agent) == 0 and not shm_agent.service.stores
 

@@ -212,21 +212,24 @@ fn a_closed_or_confused_agent_is_an_error() {
     fake.join().unwrap();
 }
 
+/// An int of each msgpack form, and each form's ends.
+const INTS: [i128; 10] = [
+    0,
+    127,
+    -1,
+    -32,
+    200,
+    70_000,
+    5_000_000_000,
+    -200,
+    -70_000,
+    i64::MIN as i128,
+];
+
 #[test]
 fn the_reader_takes_every_int_form_and_skips_what_it_does_not_know() {
     let mut w = Writer::default();
-    for v in [
-        0i128,
-        127,
-        -1,
-        -32,
-        200,
-        70_000,
-        5_000_000_000,
-        -200,
-        -70_000,
-        i64::MIN.into(),
-    ] {
+    for v in INTS {
         w.int(v);
     }
     w.map(2);
@@ -238,18 +241,7 @@ fn the_reader_takes_every_int_form_and_skips_what_it_does_not_know() {
     w.str("x");
     let bytes = w.into_bytes();
     let mut rd = Reader::new(&bytes);
-    for v in [
-        0i128,
-        127,
-        -1,
-        -32,
-        200,
-        70_000,
-        5_000_000_000,
-        -200,
-        -70_000,
-        i64::MIN.into(),
-    ] {
+    for v in INTS {
         assert_eq!(rd.int().unwrap(), v);
     }
     rd.skip().unwrap();
