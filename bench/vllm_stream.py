@@ -2,7 +2,7 @@
 by how its sender batches saves (``save_coalesce_ms``), over the same-node path.
 
     python bench/vllm_stream.py [--lengths 1024 2048] [--runs 12] [--requests 8]
-                                [--coalesce 0 50] [--lookups-only]
+                                [--coalesce 0 50] [--lookups-only] [--python-exchange]
                                 [--out bench/results/vllm_stream.json]
 
 ``bench/vllm_connector.py`` times one request at a time and flushes its saves after each, so
@@ -13,6 +13,9 @@ as an engine under light load does. Every run has a twin: as many new prompts of
 length that turn the pool off for themselves (``kv_transfer_params``), run next to it in the
 same engine, the order alternating. A run's time lasts until its saves are in the pool
 (``flushed_s``), so a save sent late still counts against the run that made it.
+``--python-exchange`` adds an engine whose same-node PUTs run PUT_SHM, the copy and COMMIT
+in Python, as without the compiled core (``kvpool_native.shm_put``): the two compared in
+the same run.
 
 Per engine and length: the median over runs of (run with the pool) / (run without) - 1; the
 same for the requests alone ("served only": until the last output, before the run's last
@@ -55,6 +58,12 @@ def main() -> None:
         action="store_true",
         help="also an engine with `save: false` (the connector's lookups alone)",
     )
+    parser.add_argument(
+        "--python-exchange",
+        action="store_true",
+        help="also an engine whose same-node PUTs run their exchange in Python (not "
+        "`kvpool_native.shm_put`), at the first --coalesce value",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/vllm_stream.json")
     args = parser.parse_args()
     console = Console()
@@ -72,19 +81,29 @@ def main() -> None:
         engines: list[Engine] = []
         try:
             base = {"model": str(tmp / "model"), "max_model_len": max(args.lengths) + 64}
-            variants: list[tuple[str, dict[str, Any]]] = [
-                (f"coalesce {ms:g} ms", {"save_coalesce_ms": ms}) for ms in args.coalesce
+            # (name, connector settings, engine spec beside them)
+            variants: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+                (f"coalesce {ms:g} ms", {"save_coalesce_ms": ms}, {}) for ms in args.coalesce
             ]
+            if args.python_exchange:
+                ms = args.coalesce[0]
+                variants.append(
+                    (
+                        f"coalesce {ms:g} ms, Python exchange",
+                        {"save_coalesce_ms": ms},
+                        {"python_exchange": True},
+                    )
+                )
             if args.lookups_only:
-                variants.append(("lookups only", {"save": False}))
-            for i, (name, settings) in enumerate(variants):
+                variants.append(("lookups only", {"save": False}, {}))
+            for i, (name, settings, spec) in enumerate(variants):
                 extra = {"unix_socket": unix_socket, "model": f"tiny-llama-{i}", **settings}
                 connector = {
                     "module": "kvpool_agent.connectors.vllm",
                     "class": "KvpoolConnector",
                     "extra": extra,
                 }
-                engines.append(Engine(python, tmp, name, {**base, "connector": connector}))
+                engines.append(Engine(python, tmp, name, {**base, **spec, "connector": connector}))
             warmup = {"name": "warmup", "prompts": [tokens(rng, 512)], "max_tokens": 1}
             for engine in engines:
                 engine.ready()

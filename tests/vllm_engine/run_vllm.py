@@ -117,10 +117,17 @@ def pool_metrics(metrics_url: str, names: list[str]) -> dict[str, float | None]:
 
 
 def start_engine(spec: dict[str, Any]) -> Any:
-    """An in-process ``LLM`` for ``spec`` (model, connector or None, max_model_len)."""
+    """An in-process ``LLM`` for ``spec`` (model, connector or None, max_model_len).
+    ``python_exchange`` (benchmarks) has the connector's same-node PUTs run their exchange
+    in Python instead of ``kvpool_native.shm_put``, as without the compiled core."""
     sys.path.insert(0, str(HERE))
     from vllm import LLM
     from vllm.config import KVTransferConfig
+
+    if spec.get("python_exchange"):
+        from kvpool_agent.dataplane import shm
+
+        shm._shm_put = None
 
     kwargs: dict[str, Any] = {}
     connector = spec.get("connector")
