@@ -23,7 +23,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// The buffer of `obj`, C-contiguous (and writable when `write`).
-fn buffer(obj: &Bound<'_, PyAny>, what: &str, write: bool) -> PyResult<PyUntypedBuffer> {
+pub(crate) fn buffer(obj: &Bound<'_, PyAny>, what: &str, write: bool) -> PyResult<PyUntypedBuffer> {
     let buf = PyUntypedBuffer::get(obj)?;
     if !buf.is_c_contiguous() {
         return Err(PyBufferError::new_err(format!(

@@ -2,14 +2,14 @@
 //! the PUT_SHM request, the copy of the chain's new blocks into the mapped arena and the
 //! COMMIT, in one call that holds no interpreter lock.
 //!
-//! A vLLM worker saves from a sender thread beside the engine's own. Every microsecond that
-//! thread spends in Python is taken from vLLM's main thread, which needs the same lock between
-//! its kernels: on the 2-core development machine a save's 0.3 to 1.7 ms of Python made
-//! 1k-token requests 8 to 11% slower even with the two threads on different cores
-//! (`docs/vllm.md`, "Where the time goes"). Here the exchange runs on the caller's blocking
-//! socket (its kernel timeouts bound each wait) with the frames of `dataplane/protocol.py`.
-//! The request's metadata comes packed by the caller; an error reply's metadata goes back to
-//! it unread, to be raised as the Python client raises it.
+//! A vLLM worker saves from a sender thread beside the engine's own, and the time that thread
+//! holds the interpreter lock is time vLLM's main thread may wait for it between its kernels:
+//! with every save sent at once, 1k-token requests without a hit were 1 to 5 points slower
+//! with the exchange in Python than with this one, in the same run (`docs/vllm.md`, "The
+//! same-node PUT compiled"). Here the exchange runs on the caller's blocking socket (its
+//! kernel timeouts bound each wait) with the frames of `dataplane/protocol.py`. The request's
+//! metadata comes packed by the caller; an error reply's metadata goes back to it unread, to
+//! be raised as the Python client raises it.
 
 #[cfg(feature = "python")]
 pub mod py;
@@ -76,7 +76,7 @@ impl From<io::Error> for PutError {
 }
 
 /// A reservation as a PUT_SHM reply gives it.
-#[derive(Debug, Default, PartialEq)]
+#[derive(Debug, Default)]
 struct Reservation {
     store: u64,
     resident: u64,

@@ -1,31 +1,16 @@
 //! `kvpool_native.shm_put`: the same-node PUT of `ShmClient.put` (`dataplane/shm.py`) without
 //! the GIL.
 
-use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyBufferError, PyConnectionError, PyValueError};
+use pyo3::exceptions::{PyConnectionError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::{put, Outcome, Pool, PutError};
+use crate::copy::py::buffer;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shm_put, m)?)?;
     Ok(())
-}
-
-fn contiguous(obj: &Bound<'_, PyAny>, what: &str, write: bool) -> PyResult<PyUntypedBuffer> {
-    let buf = PyUntypedBuffer::get(obj)?;
-    if !buf.is_c_contiguous() || (write && buf.readonly()) {
-        let want = if write {
-            "writable, contiguous"
-        } else {
-            "contiguous"
-        };
-        return Err(PyBufferError::new_err(format!(
-            "{what}: a {want} buffer expected"
-        )));
-    }
-    Ok(buf)
 }
 
 /// Store a chain through the agent on the blocking Unix socket `fd` (PUT_SHM as request
@@ -49,11 +34,11 @@ fn shm_put<'py>(
     arena: &Bound<'py, PyAny>,
     pools: Vec<(Bound<'py, PyAny>, usize, usize, usize, usize, usize, usize)>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let target = contiguous(arena, "arena", true)?;
+    let target = buffer(arena, "arena", true)?;
     let mut held = Vec::with_capacity(pools.len());
     let mut plan = Vec::with_capacity(pools.len());
     for (src, base, layer_stride, block_stride, piece, layers, blocks) in &pools {
-        let buf = contiguous(src, "src", false)?;
+        let buf = buffer(src, "src", false)?;
         plan.push(Pool {
             base: *base,
             layer_stride: *layer_stride,
@@ -66,11 +51,11 @@ fn shm_put<'py>(
         });
         held.push(buf);
     }
-    let meta = meta.to_vec();
     let (addr, len) = (target.buf_ptr() as usize, target.len_bytes());
     // SAFETY: the arena and every source stay exported (alive, not resized) until they drop
-    // at the end of this function; the caller holds the connection's lock.
-    let outcome = py.detach(|| unsafe { put(fd, rid, &meta, first, &plan, addr, len) });
+    // at the end of this function, and `meta` is an immutable bytes object's; the caller
+    // holds the connection's lock.
+    let outcome = py.detach(|| unsafe { put(fd, rid, meta, first, &plan, addr, len) });
     drop(held);
     drop(target);
     match outcome {
