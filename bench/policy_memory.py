@@ -15,7 +15,11 @@ of them: the figures are the metadata, which is what grows with a host tier of m
 blocks.
 
 Workloads: "distinct" (64-block requests that are all new: every history grows to its
-bound, the worst case) and "synthetic" (the Mooncake trace at 10% of its unique blocks).
+bound, the worst case; 16 tokens per block, and again with 512-token blocks named by engine
+keys), "synthetic" (the Mooncake trace at 10% of its unique blocks, 512
+tokens per block, each block's tokens its own) and "synthetic, engine keys" (the same
+requests, each block named by an engine key as the data plane names it: its tokens are the
+key's digest words, then 0s, ``kvpool_agent.dataplane.keys.block_tokens``).
 
     python bench/policy_memory.py [--capacity 20000] [--cores native,python]
         [--out bench/results]
@@ -27,6 +31,7 @@ import argparse
 import gc
 import json
 import tracemalloc
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +43,7 @@ from rich.table import Table
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.config import EVICTION_POLICIES, KvCacheConfig
+from kvpool_agent.dataplane import keys
 from kvpool_agent.replay.runner import REPLAY_MODEL, block_tokens
 from kvpool_agent.traces import load_trace
 
@@ -55,26 +61,48 @@ class Row:
     ratio_to_vllm: float | None = None
 
 
-Workload = tuple[str, int, int, list[list[int]]]
-"""Name, tokens per block, capacity in blocks, and each request's block ids."""
+TokensOf = Callable[[int, int], Sequence[int]]
+"""The tokens of block ``id`` at ``tokens_per_block``."""
+
+Workload = tuple[str, int, int, list[list[int]], TokensOf]
+"""Name, tokens per block, capacity in blocks, each request's block ids, and their tokens."""
 
 
-def distinct(capacity: int) -> Workload:
-    """Ten capacities' worth of new blocks, 64 per request."""
+def keyed_tokens(block_id: int, tpb: int) -> list[int]:
+    """The synthetic tokens the data plane gives a block named by an engine key (here the
+    block id's 8 bytes)."""
+    return keys.block_tokens(block_id.to_bytes(8, "little"), tpb)
+
+
+def distinct(capacity: int, keyed_tpb: int | None = None) -> Workload:
+    """Ten capacities' worth of new blocks, 64 per request: 16 tokens each, or (keyed_tpb)
+    blocks of that many tokens named by engine keys."""
     n = BLOCKS_PER_REQUEST
     requests = [list(range(r * n, (r + 1) * n)) for r in range(10 * capacity // n)]
-    return "distinct", 16, capacity, requests
+    if keyed_tpb is None:
+        return "distinct", 16, capacity, requests, block_tokens
+    return f"distinct, {keyed_tpb}-token engine keys", keyed_tpb, capacity, requests, keyed_tokens
 
 
-def synthetic() -> Workload:
-    """The Mooncake trace at 10% of its unique blocks."""
+def synthetic(keyed: bool = False) -> Workload:
+    """The Mooncake trace at 10% of its unique blocks: each block's own tokens, or (keyed)
+    the tokens of an engine key."""
     trace = load_trace(TRACE)
     requests = [list(r.hash_ids) for r in trace.requests if r.hash_ids]
-    return "synthetic@10%", trace.block_size, trace.capacity_blocks(0.10), requests
+    capacity = trace.capacity_blocks(0.10)
+    if not keyed:
+        return "synthetic@10%", trace.block_size, capacity, requests, block_tokens
+    # made per use, not kept: a table of them would be traced as the first engine's memory
+    return "synthetic@10%, engine keys", trace.block_size, capacity, requests, keyed_tokens
 
 
 def held_bytes(
-    policy: str, tpb: int, capacity: int, requests: list[list[int]], core: str = "python"
+    policy: str,
+    tpb: int,
+    capacity: int,
+    requests: list[list[int]],
+    core: str = "python",
+    tokens_of: TokensOf = block_tokens,
 ) -> int:
     """Memory a manager under ``policy`` on ``core`` holds after serving ``requests``: the
     Python heap, and the compiled engine's heap for the native core."""
@@ -83,7 +111,7 @@ def held_bytes(
     config = KvCacheConfig(tokens_per_block=tpb, event_buffer_max_size=0, eviction_policy=policy)
     manager = KVCacheManager.with_capacity(REPLAY_MODEL, config, num_blocks=capacity, core=core)
     for ids in requests:
-        tokens = [t for h in ids for t in block_tokens(h, tpb)]
+        tokens = [t for h in ids for t in tokens_of(h, tpb)]
         handle = manager.open_sequence(tokens, recompute_last_token=False)
         manager.release(handle.seq_id)
     gc.collect()
@@ -94,9 +122,15 @@ def held_bytes(
     return held + (native or 0)
 
 
-def held_bytes_baseline(name: str, tpb: int, capacity: int, requests: list[list[int]]) -> int:
+def held_bytes_baseline(
+    name: str,
+    tpb: int,
+    capacity: int,
+    requests: list[list[int]],
+    tokens_of: TokensOf = block_tokens,
+) -> int:
     """Python memory the real ``name`` manager holds after serving ``requests``."""
-    prompts = [[t for h in ids for t in block_tokens(h, tpb)] for ids in requests]
+    prompts = [[t for h in ids for t in tokens_of(h, tpb)] for ids in requests]
     max_len = max(map(len, prompts)) + tpb
     gc.collect()
     tracemalloc.start()
@@ -121,7 +155,12 @@ def main() -> None:
         parser.error("--cores: native and/or python")
     engines = [(c, p) for c in cores for p in EVICTION_POLICIES]
     rows: list[Row] = []
-    cases = [distinct(args.capacity), synthetic()]
+    cases = [
+        distinct(args.capacity),
+        distinct(args.capacity, keyed_tpb=512),
+        synthetic(),
+        synthetic(keyed=True),
+    ]
     found = [name for name, why in baselines.available().items() if why is None]
     for name, why in baselines.available().items():
         if why is not None:
@@ -134,13 +173,13 @@ def main() -> None:
         held_bytes_baseline(baseline, 16, 128, [list(range(64)), list(range(64, 128))])
     with Progress() as progress:
         task = progress.add_task("policy memory", total=len(cases) * (len(engines) + len(found)))
-        for name, tpb, capacity, requests in cases:
+        for name, tpb, capacity, requests, tokens_of in cases:
             for core, policy in engines:
-                held = held_bytes(policy, tpb, capacity, requests, core)
+                held = held_bytes(policy, tpb, capacity, requests, core, tokens_of)
                 rows.append(Row(name, f"{core}:{policy}", capacity, held / capacity))
                 progress.advance(task)
             for baseline in found:
-                held = held_bytes_baseline(baseline, tpb, capacity, requests)
+                held = held_bytes_baseline(baseline, tpb, capacity, requests, tokens_of)
                 rows.append(Row(name, baseline, capacity, held / capacity))
                 progress.advance(task)
     lru = f"{cores[-1]}:lru"  # the Python core's plain LRU when it runs, the reference before

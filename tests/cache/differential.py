@@ -102,20 +102,27 @@ class Script:
         return dataclasses.asdict(self)
 
 
-def random_script(seed: int, num_ops: int | None = None) -> Script:
-    """A random engine configuration and ``num_ops`` (a few hundred) operations."""
-    return _Generator(random.Random(seed)).script(seed, num_ops)
+def random_script(seed: int, num_ops: int | None = None, tpb: int | None = None) -> Script:
+    """A random engine configuration and ``num_ops`` (a few hundred) operations; ``tpb``
+    fixes the tokens per block (else 2, 4 or 16, as the golden file's scripts have)."""
+    return _Generator(random.Random(seed), tpb).script(seed, num_ops)
+
+
+HEAD_TOKENS = 16
+"""Tokens in the compiled core's head row of a block (``agent/native/src/engine/store.rs``):
+past it, a block whose other tokens are all 0 (as the data plane's are) keeps no tail row."""
 
 
 class _Generator:
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, tpb: int | None = None) -> None:
         self.rng = rng
+        self.fixed_tpb = tpb
         self.history: list[tuple[list[int], int]] = []
         """Recent prompts and their namespaces, that later prompts share prefixes with."""
 
     def script(self, seed: int, num_ops: int | None) -> Script:
         rng = self.rng
-        self.tpb = tpb = rng.choice([2, 4, 16])
+        self.tpb = tpb = self.fixed_tpb or rng.choice([2, 4, 16])
         window = rng.choice([3, tpb + 1, 2 * tpb + 3])
         windows, max_seq_len = rng.choice(
             [
@@ -209,6 +216,13 @@ class _Generator:
         if rng.random() < 0.05:
             big = rng.choice([1 << 32, (1 << 32) + 1, (1 << 63) - 1])
             toks[rng.randrange(len(toks))] = big  # no longer packs into 32 bits
+        if tpb > HEAD_TOKENS:
+            # Blocks that start with an even token end in 0s past the head row: decided by
+            # the block's own tokens, so a prompt that shares a prefix shares its blocks.
+            for start in range(0, len(toks), tpb):
+                if toks[start] % 2 == 0:
+                    end = min(start + tpb, len(toks))
+                    toks[start + HEAD_TOKENS : end] = [0] * max(0, end - start - HEAD_TOKENS)
         self.history.append((toks, ns))
         if len(self.history) > 24:
             del self.history[0]
@@ -346,15 +360,16 @@ class FakeClock:
         return self.now
 
 
-def build_manager(spec: EngineSpec, clock: Clock) -> KVCacheManager:
-    """The Python engine for ``spec`` (the default ``make_manager``)."""
+def build_manager(spec: EngineSpec, clock: Clock, core: str | None = None) -> KVCacheManager:
+    """The engine for ``spec`` (the default ``make_manager``), on ``core`` (None:
+    ``$KVPOOL_CORE``, else the compiled one where it is installed)."""
     model = ModelGeometry(**spec.model)
     probe = KvCacheConfig(**spec.config)
     _, groups, _ = build_pools(model, probe, spec.max_seq_len)
     host = spec.host_blocks * sum(g.block_bytes for g in groups)
     config = probe.model_copy(update={"host_cache_size": host})
     return KVCacheManager.with_capacity(
-        model, config, spec.blocks, max_seq_len=spec.max_seq_len, clock=clock
+        model, config, spec.blocks, max_seq_len=spec.max_seq_len, clock=clock, core=core
     )
 
 

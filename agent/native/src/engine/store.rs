@@ -5,10 +5,17 @@
 //! sequence that writes it. Both live in slabs indexed by `u32` and are recycled through
 //! free lists, so the request path allocates nothing per block once the slabs have grown.
 //!
-//! A node's tokens are not a field of the node: they sit in one token arena (`tpb` u32
-//! slots per node), and the few nodes holding a token past 32 bits keep theirs in a side
-//! table. The tree finds children by key and reads the tokens only to confirm a match and to
-//! measure a partial one, as the Python engine does with its packed tokens.
+//! A node's tokens are not a field of the node: they sit in one token arena, and the few
+//! nodes holding a token past 32 bits keep theirs in a side table. The tree finds children by
+//! key and reads the tokens only to confirm a match and to measure a partial one, as the
+//! Python engine does with its packed tokens.
+//!
+//! The arena gives every node a head row of its first [`HEAD_TOKENS`] tokens (all of them
+//! when a block is no longer), and a tail row for the rest only when some token there is not
+//! 0. The blocks an engine stores by its own keys (the data plane's chains: 16 digest words,
+//! then the filler 0, `dataplane/keys.py`) so cost 64 bytes of tokens at any block size,
+//! where a row of 512 tokens took 2 KiB; blocks of real tokens keep them all, since a partial
+//! match compares them token by token.
 
 use std::hash::{BuildHasher, Hasher};
 
@@ -79,8 +86,15 @@ pub struct Store {
     free_nodes: Vec<u32>,
     /// `node * num_groups + g` -> the node's block in group `g`, or NONE.
     pub node_blocks: Vec<u32>,
-    /// `node * tpb ..` -> the node's tokens (nodes whose tokens all fit 32 bits).
+    /// `node * head ..` -> the node's first `head` tokens (nodes whose tokens all fit 32 bits).
     tokens: Vec<u32>,
+    /// Tokens in a head row: `min(tpb, HEAD_TOKENS)`.
+    head: usize,
+    /// `slot * (tpb - head) ..` -> the rest of a node's tokens, where some is not 0.
+    tails: Vec<u32>,
+    /// Node -> its slot in `tails`, or NONE when the rest is all 0 (empty while `tpb <= head`).
+    tail_of: Vec<u32>,
+    free_tails: Vec<u32>,
     /// Tokens of the nodes with some token past 32 bits.
     wide: FxHashMap<u32, Box<[u64]>>,
     /// When the priority of an `expiring` node expires.
@@ -100,6 +114,11 @@ pub struct Store {
 /// Children from which a node indexes its children's first tokens (`block.HEADS_FROM`).
 pub const HEADS_FROM: u32 = 16;
 
+/// The tokens of a node's head row: an engine key's digest words, after which the data
+/// plane's blocks hold only the filler token 0.
+pub const HEAD_TOKENS: usize = crate::keys::DIGEST_WORDS;
+const _: () = assert!(crate::keys::FILLER_TOKEN == 0);
+
 /// Grow `v` by at least `additional` slots and an eighth of its length, without the
 /// doubling of `Vec` (the slabs are reserved at their expected size up front; growing past it
 /// should not double the memory of the token arena).
@@ -117,7 +136,10 @@ impl Store {
         let mut store = Store::new(tpb, num_groups);
         store.nodes.reserve_exact(nodes);
         store.node_blocks.reserve_exact(nodes * num_groups);
-        store.tokens.reserve_exact(nodes * tpb);
+        store.tokens.reserve_exact(nodes * store.head);
+        if tpb > store.head {
+            store.tail_of.reserve_exact(nodes);
+        }
         store.blocks.reserve_exact(blocks);
         store.children.reserve(nodes);
         store
@@ -131,6 +153,10 @@ impl Store {
             free_nodes: Vec::new(),
             node_blocks: Vec::new(),
             tokens: Vec::new(),
+            head: tpb.min(HEAD_TOKENS),
+            tails: Vec::new(),
+            tail_of: Vec::new(),
+            free_tails: Vec::new(),
             wide: FxHashMap::default(),
             expiry: FxHashMap::default(),
             blocks: Vec::new(),
@@ -171,7 +197,7 @@ impl Store {
             holds: 0,
         };
         let g = self.num_groups;
-        let tpb = self.tpb;
+        let head = self.head;
         let id = match self.free_nodes.pop() {
             Some(id) => {
                 self.nodes[id as usize] = rec;
@@ -181,10 +207,14 @@ impl Store {
                 let id = self.nodes.len() as u32;
                 grow(&mut self.nodes, 1);
                 grow(&mut self.node_blocks, g);
-                grow(&mut self.tokens, tpb);
+                grow(&mut self.tokens, head);
                 self.nodes.push(rec);
                 self.node_blocks.resize(self.node_blocks.len() + g, NONE);
-                self.tokens.resize(self.tokens.len() + tpb, 0);
+                self.tokens.resize(self.tokens.len() + head, 0);
+                if self.tpb > head {
+                    grow(&mut self.tail_of, 1);
+                    self.tail_of.push(NONE);
+                }
                 id
             }
         };
@@ -198,11 +228,36 @@ impl Store {
     }
 
     fn set_tokens(&mut self, node: u32, tokens: &[u64]) {
-        let tpb = self.tpb;
+        let (tpb, head) = (self.tpb, self.head);
+        debug_assert_eq!(tokens.len(), tpb);
         if tokens.iter().all(|&t| t <= u32::MAX as u64) {
-            let row = &mut self.tokens[node as usize * tpb..(node as usize + 1) * tpb];
+            let row = &mut self.tokens[node as usize * head..(node as usize + 1) * head];
             for (slot, &t) in row.iter_mut().zip(tokens) {
                 *slot = t as u32;
+            }
+            let rest = &tokens[head..];
+            if rest.iter().any(|&t| t != 0) {
+                let width = tpb - head;
+                let slot = match self.free_tails.pop() {
+                    Some(slot) => slot,
+                    None => {
+                        let slot = (self.tails.len() / width) as u32;
+                        if self.tails.capacity() == 0 {
+                            // The first tail row: blocks of real tokens have one each, so
+                            // reserve for every node, as the head rows are.
+                            self.tails
+                                .reserve_exact(self.tail_of.capacity().max(1) * width);
+                        }
+                        grow(&mut self.tails, width);
+                        self.tails.resize(self.tails.len() + width, 0);
+                        slot
+                    }
+                };
+                let row = &mut self.tails[slot as usize * width..(slot as usize + 1) * width];
+                for (to, &t) in row.iter_mut().zip(rest) {
+                    *to = t as u32;
+                }
+                self.tail_of[node as usize] = slot;
             }
         } else {
             self.nodes[node as usize].wide = true;
@@ -210,25 +265,51 @@ impl Store {
         }
     }
 
+    /// Tail rows in use (tests).
+    #[cfg(test)]
+    pub fn tail_rows(&self) -> usize {
+        match self.tpb - self.head {
+            0 => 0,
+            width => self.tails.len() / width - self.free_tails.len(),
+        }
+    }
+
     /// The node's tokens (a root has none).
     pub fn node_tokens(&self, node: u32) -> TokensOf<'_> {
         let rec = &self.nodes[node as usize];
         if rec.parent == NONE {
-            return TokensOf::Narrow(&[]);
+            return TokensOf::Narrow(&[], Tail::Zeros(0));
         }
         if rec.wide {
-            TokensOf::Wide(&self.wide[&node])
-        } else {
-            let tpb = self.tpb;
-            TokensOf::Narrow(&self.tokens[node as usize * tpb..(node as usize + 1) * tpb])
+            return TokensOf::Wide(&self.wide[&node]);
         }
+        let (tpb, head) = (self.tpb, self.head);
+        let tail = match self.tail_of.get(node as usize) {
+            Some(&slot) if slot != NONE => {
+                let width = tpb - head;
+                Tail::Tokens(&self.tails[slot as usize * width..(slot as usize + 1) * width])
+            }
+            _ => Tail::Zeros(tpb - head),
+        };
+        TokensOf::Narrow(
+            &self.tokens[node as usize * head..(node as usize + 1) * head],
+            tail,
+        )
     }
 
     /// Whether the node holds exactly `tokens` (the packed compare of `packed.confirmed`).
     pub fn tokens_equal(&self, node: u32, tokens: &[u64]) -> bool {
         match self.node_tokens(node) {
-            TokensOf::Narrow(own) => {
-                own.len() == tokens.len() && own.iter().zip(tokens).all(|(&a, &b)| a as u64 == b)
+            TokensOf::Narrow(own, tail) => {
+                let n = own.len();
+                tokens.len() == n + tail.len()
+                    && own.iter().zip(tokens).all(|(&a, &b)| a as u64 == b)
+                    && match tail {
+                        Tail::Tokens(rest) => {
+                            rest.iter().zip(&tokens[n..]).all(|(&a, &b)| a as u64 == b)
+                        }
+                        Tail::Zeros(_) => tokens[n..].iter().all(|&b| b == 0),
+                    }
             }
             TokensOf::Wide(own) => own == tokens,
         }
@@ -236,19 +317,16 @@ impl Store {
 
     /// How many leading tokens of `rest` the node's block starts with.
     pub fn shared_prefix(&self, node: u32, rest: &[u64]) -> usize {
-        match self.node_tokens(node) {
-            TokensOf::Narrow(own) => own
-                .iter()
-                .zip(rest)
-                .take_while(|(&a, &b)| a as u64 == b)
-                .count(),
-            TokensOf::Wide(own) => own.iter().zip(rest).take_while(|(a, b)| a == b).count(),
-        }
+        self.node_tokens(node)
+            .iter()
+            .zip(rest)
+            .take_while(|&(a, &b)| a == b)
+            .count()
     }
 
     pub fn first_token(&self, node: u32) -> u64 {
         match self.node_tokens(node) {
-            TokensOf::Narrow(own) => own[0] as u64,
+            TokensOf::Narrow(own, _) => own[0] as u64,
             TokensOf::Wide(own) => own[0],
         }
     }
@@ -365,6 +443,12 @@ impl Store {
             self.wide.remove(&node);
             self.nodes[node as usize].wide = false;
         }
+        if let Some(slot) = self.tail_of.get_mut(node as usize) {
+            if *slot != NONE {
+                self.free_tails.push(*slot);
+                *slot = NONE;
+            }
+        }
         self.set_expires_at(node, None);
         self.free_nodes.push(node);
     }
@@ -452,7 +536,14 @@ impl Store {
         vec![
             ("nodes", self.nodes.capacity() * size_of::<NodeRec>()),
             ("node_blocks", self.node_blocks.capacity() * 4),
-            ("tokens", self.tokens.capacity() * 4),
+            (
+                "tokens",
+                (self.tokens.capacity()
+                    + self.tails.capacity()
+                    + self.tail_of.capacity()
+                    + self.free_tails.capacity())
+                    * 4,
+            ),
             ("blocks", self.blocks.capacity() * size_of::<BlockRec>()),
             ("children", self.children.table.allocation_size()),
         ]
@@ -466,6 +557,9 @@ impl Store {
             + self.free_nodes.capacity() * 4
             + self.node_blocks.capacity() * 4
             + self.tokens.capacity() * 4
+            + self.tails.capacity() * 4
+            + self.tail_of.capacity() * 4
+            + self.free_tails.capacity() * 4
             + self.wide.capacity() * map_entry(4, 16)
             + self.wide.values().map(|v| v.len() * 8).sum::<usize>()
             + self.expiry.capacity() * map_entry(4, 8)
@@ -535,18 +629,48 @@ impl ChildIndex {
     }
 }
 
-/// A node's tokens as stored.
+/// A node's tokens as stored: a head row and the rest, or (some token past 32 bits) all
+/// of them in the side table.
 pub enum TokensOf<'a> {
-    Narrow(&'a [u32]),
+    Narrow(&'a [u32], Tail<'a>),
     Wide(&'a [u64]),
 }
 
-impl TokensOf<'_> {
-    pub fn to_vec(&self) -> Vec<u64> {
+/// The tokens of a node after its head row.
+#[derive(Clone, Copy)]
+pub enum Tail<'a> {
+    Tokens(&'a [u32]),
+    /// This many tokens, all 0 (no tail row kept).
+    Zeros(usize),
+}
+
+impl Tail<'_> {
+    fn len(&self) -> usize {
         match self {
-            TokensOf::Narrow(t) => t.iter().map(|&x| x as u64).collect(),
-            TokensOf::Wide(t) => t.to_vec(),
+            Tail::Tokens(t) => t.len(),
+            Tail::Zeros(n) => *n,
         }
+    }
+}
+
+impl TokensOf<'_> {
+    /// The tokens, first to last.
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        let (narrow, tail, zeros, wide): (&[u32], &[u32], usize, &[u64]) = match *self {
+            TokensOf::Narrow(own, Tail::Tokens(rest)) => (own, rest, 0, &[]),
+            TokensOf::Narrow(own, Tail::Zeros(n)) => (own, &[], n, &[]),
+            TokensOf::Wide(own) => (&[], &[], 0, own),
+        };
+        narrow
+            .iter()
+            .chain(tail)
+            .map(|&t| t as u64)
+            .chain(std::iter::repeat_n(0, zeros))
+            .chain(wide.iter().copied())
+    }
+
+    pub fn to_vec(&self) -> Vec<u64> {
+        self.iter().collect()
     }
 }
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::pool::TierLayout;
-use super::store::{BlockRec, NodeRec, NONE};
+use super::store::{BlockRec, NodeRec, Store, HEAD_TOKENS, NONE};
 use super::{Engine, EngineConfig, Retention};
 use crate::pyhash::block_key;
 
@@ -213,4 +213,61 @@ fn a_block_stamp_wraps_and_its_python_stamp_counts_on() {
     e.store.bump_stamp(c);
     e.store.bump_stamp(c);
     assert_eq!((e.store.queue_stamp(c), e.store.order_stamp(c)), (1, 2));
+}
+
+/// Past the head row, a block whose tokens are all 0 (the data plane's blocks) keeps no tail
+/// row; a block with a token there keeps one, which goes to the next such block when its node
+/// leaves, and a node reusing the slot of one that had a tail row does not read it.
+#[test]
+fn a_block_ending_in_zeros_keeps_no_tail_row() {
+    let tpb = 64;
+    let mut st = Store::new(tpb, 1);
+    let root = st.new_node(0, NONE, &[]);
+    let mut keyed = vec![0u64; tpb];
+    for (i, t) in keyed[..HEAD_TOKENS].iter_mut().enumerate() {
+        *t = 1000 + i as u64;
+    }
+    let a = st.new_node(1, root, &keyed);
+    assert_eq!(st.tail_rows(), 0);
+    let real: Vec<u64> = (1..=tpb as u64).collect();
+    let b = st.new_node(2, root, &real);
+    assert_eq!(st.tail_rows(), 1);
+    assert_eq!(st.node_tokens(a).to_vec(), keyed);
+    assert_eq!(st.node_tokens(b).to_vec(), real);
+    assert_eq!(st.first_token(a), 1000);
+    assert!(st.tokens_equal(a, &keyed) && st.tokens_equal(b, &real));
+    // The same head with a token in the tail is another block (what a collision would ask).
+    let mut other = keyed.clone();
+    other[40] = 7;
+    assert!(!st.tokens_equal(a, &other));
+    assert!(!st.tokens_equal(a, &keyed[..tpb - 1]));
+    assert_eq!(st.shared_prefix(a, &other), 40);
+    assert_eq!(st.shared_prefix(b, &real[..20]), 20);
+    let mut late = real.clone();
+    late[50] = 0;
+    assert_eq!(st.shared_prefix(b, &late), 50);
+    // b leaves: its tail row is c's.
+    st.free_node(b);
+    assert_eq!(st.tail_rows(), 0);
+    let c_tokens: Vec<u64> = (101..=100 + tpb as u64).collect();
+    let c = st.new_node(3, root, &c_tokens);
+    assert_eq!(st.tail_rows(), 1);
+    assert_eq!(st.node_tokens(c).to_vec(), c_tokens);
+    st.free_node(c);
+    let d = st.new_node(4, root, &keyed);
+    assert_eq!(d, c); // the slot of a node that had a tail row
+    assert_eq!(st.node_tokens(d).to_vec(), keyed);
+    assert!(st.tokens_equal(d, &keyed) && !st.tokens_equal(d, &c_tokens));
+    assert_eq!(st.tail_rows(), 0);
+}
+
+/// At 16 tokens per block or fewer the head row is the whole block.
+#[test]
+fn a_block_no_longer_than_a_head_row_has_no_tail() {
+    let mut st = Store::new(HEAD_TOKENS, 1);
+    let root = st.new_node(0, NONE, &[]);
+    let toks: Vec<u64> = (0..HEAD_TOKENS as u64).collect();
+    let a = st.new_node(1, root, &toks);
+    assert_eq!(st.node_tokens(a).to_vec(), toks);
+    assert_eq!(st.tail_rows(), 0);
 }
