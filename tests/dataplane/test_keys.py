@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool_agent.cache import KVCacheManager
-from kvpool_agent.cache.packed import pack_all
+from kvpool_agent.cache.packed import pack_all, unpack
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
 from kvpool_agent.dataplane.keys import (
     KeyFormatError,
@@ -143,7 +143,7 @@ def test_engine_key_of_vllm_and_sglang_hashes() -> None:
 # ---------------------------------------------------------------------- engine lookup
 
 
-def manager(**cfg: Any) -> KVCacheManager:
+def manager(core: str | None = None, **cfg: Any) -> KVCacheManager:
     from kvpool_agent.cache.sizing import build_pools
 
     cfg.setdefault("tokens_per_block", TPB)
@@ -151,7 +151,7 @@ def manager(**cfg: Any) -> KVCacheManager:
     _, groups, _ = build_pools(MODEL, probe)
     host = 6 * sum(g.block_bytes for g in groups)
     config = probe.model_copy(update={"host_cache_size": host})
-    return KVCacheManager.with_capacity(MODEL, config, 8)
+    return KVCacheManager.with_capacity(MODEL, config, 8, core=core)
 
 
 def store(mgr: KVCacheManager, tokens: list[int], salt: str | None = None) -> None:
@@ -159,12 +159,12 @@ def store(mgr: KVCacheManager, tokens: list[int], salt: str | None = None) -> No
     mgr.release(handle.seq_id)
 
 
-def workload(mgr: KVCacheManager) -> list[Any]:
+def workload(mgr: KVCacheManager, tpb: int = TPB) -> list[Any]:
     """Stores that fill the 8-block primary tier past capacity (evicting, offloading), then
     the events they produced and the resulting tree, usage and stats."""
     for tag in range(6):
-        store(mgr, chain_tokens(keys_for(100 + tag, 3), TPB), salt="s")
-        store(mgr, chain_tokens(keys_for(1, 2 + tag % 2), TPB), salt="s")
+        store(mgr, chain_tokens(keys_for(100 + tag, 3), tpb), salt="s")
+        store(mgr, chain_tokens(keys_for(1, 2 + tag % 2), tpb), salt="s")
     events = mgr.events.drain()
     tree = sorted((n.key, tuple(b.tier if b else -1 for b in n.blocks)) for n in mgr.iter_nodes())
     return [events, tree, mgr.usage(), dataclasses.asdict(mgr.stats)]
@@ -193,6 +193,27 @@ def test_lookup_has_no_side_effects(policy: str) -> None:
     assert seen[4] == seen[0][:2] and seen[5] == seen[1]
     assert (probe.usage(), dataclasses.asdict(probe.stats), len(probe.events)) == before
     assert workload(probe) == workload(twin)
+
+
+@pytest.mark.parametrize("policy", ["lru", "mixture"])
+def test_keyed_blocks_past_a_head_row_are_the_same_on_both_cores(policy: str) -> None:
+    """At 64 tokens per block a keyed block is 16 digest words, then 0s: the compiled core
+    keeps no row for those 0s (``store.rs``). Both cores hold, evict, offload, look up and
+    report the same, and a chain that shares only its first key is not found past it."""
+    pytest.importorskip("kvpool_native")
+    tpb = 64
+    seen = []
+    for core in ("native", "python"):
+        mgr = manager(core=core, tokens_per_block=tpb, eviction_policy=policy)
+        out: list[Any] = workload(mgr, tpb)
+        chain = chain_tokens(keys_for(1, 3), tpb)
+        other = chain_tokens(keys_for(1, 1) + keys_for(7, 2)[1:], tpb)
+        out += [mgr.lookup(t, cache_salt="s") for t in (chain, chain[: 2 * tpb], other)]
+        out.append(sorted((n.key, tuple(unpack(n.packed))) for n in mgr.iter_nodes()))
+        seen.append(out)
+    assert seen[0] == seen[1]
+    found = seen[0][4:7]
+    assert len(found[0]) == 3 and len(found[1]) == 2 and len(found[2]) == 1
 
 
 def test_lookup_reports_host_tier_blocks_and_matches_open() -> None:
