@@ -16,10 +16,10 @@ blocks.
 
 Workloads: "distinct" (64-block requests that are all new: every history grows to its
 bound, the worst case; 16 tokens per block, and again with 512-token blocks named by engine
-keys), "synthetic" (the Mooncake trace at 10% of its unique blocks, 512
-tokens per block, each block's tokens its own) and "synthetic, engine keys" (the same
-requests, each block named by an engine key as the data plane names it: its tokens are the
-key's digest words, then 0s, ``kvpool_agent.dataplane.keys.block_tokens``).
+keys), "synthetic" (the Mooncake trace at 10% of its unique blocks, 512 tokens per block,
+each block's tokens its own) and "synthetic, engine keys" (the same requests, each block
+named by an engine key as the data plane names it: its tokens are the key's digest words,
+then 0s, ``kvpool_agent.dataplane.keys.block_tokens``).
 
     python bench/policy_memory.py [--capacity 20000] [--cores native,python]
         [--out bench/results]
