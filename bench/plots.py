@@ -20,7 +20,7 @@ def grouped_bars(
     import matplotlib.pyplot as plt
 
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(max(8.0, 2.2 * len(groups) + 2.0), 4))
     for i, (name, values) in enumerate(series.items()):
         offset = (i - (len(series) - 1) / 2) * width
         ax.bar([j + offset for j in range(len(groups))], values, width, label=name)
@@ -29,7 +29,7 @@ def grouped_bars(
     ax.set_title(title)
     if log:
         ax.set_yscale("log")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")  # off the bars
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

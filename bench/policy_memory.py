@@ -215,10 +215,10 @@ def _plot(rows: list[Row], path: Path) -> None:
         series[policy] = [per[name] for name in names]
     grouped_bars(
         path,
-        names,
+        [name.replace(", ", ",\n") for name in names],
         series,
-        "bytes per block of capacity (Python heap + compiled core)",
-        "cache metadata per block: kvpool by core and policy, vLLM, SGLang",
+        "bytes per block of capacity",
+        "cache metadata per block (Python heap + compiled core): kvpool, vLLM, SGLang",
         log=True,
     )
 
