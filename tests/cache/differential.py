@@ -52,6 +52,7 @@ from typing import Any
 from kvpool_agent.cache import CacheError, KVCacheManager, KvCacheRetentionConfig, SequenceHandle
 from kvpool_agent.cache.sizing import build_pools
 from kvpool_agent.config import EVICTION_POLICIES, ConfigError, KvCacheConfig, ModelGeometry
+from kvpool_agent.dataplane.keys import DIGEST_WORDS
 
 GOLDEN = Path(__file__).with_name("golden") / "differential.json"
 NUM_SCRIPTS = 96
@@ -108,9 +109,10 @@ def random_script(seed: int, num_ops: int | None = None, tpb: int | None = None)
     return _Generator(random.Random(seed), tpb).script(seed, num_ops)
 
 
-HEAD_TOKENS = 16
-"""Tokens in the compiled core's head row of a block (``agent/native/src/engine/store.rs``):
-past it, a block whose other tokens are all 0 (as the data plane's are) keeps no tail row."""
+HEAD_TOKENS = DIGEST_WORDS
+"""Tokens in the compiled core's head row of a block (``agent/native/src/engine/store.rs``,
+an engine key's digest words): past it, a block whose other tokens are all 0 (as the data
+plane's are) keeps no tail row."""
 
 
 class _Generator:

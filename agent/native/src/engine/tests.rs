@@ -269,5 +269,8 @@ fn a_block_no_longer_than_a_head_row_has_no_tail() {
     let toks: Vec<u64> = (0..HEAD_TOKENS as u64).collect();
     let a = st.new_node(1, root, &toks);
     assert_eq!(st.node_tokens(a).to_vec(), toks);
-    assert_eq!(st.tail_rows(), 0);
+    let mut last = toks.clone();
+    last[HEAD_TOKENS - 1] += 1;
+    assert!(st.tokens_equal(a, &toks) && !st.tokens_equal(a, &last));
+    assert_eq!(st.shared_prefix(a, &last), HEAD_TOKENS - 1);
 }
