@@ -1,7 +1,7 @@
 """What an agent spends storing a chain of engine keys (the data plane's PUT, without its
 bytes): ``AgentService.begin_store`` + ``finish_store`` of new 256-block chains into a full
 CPU cache (every block evicts one, the default eviction policy), in process, with the keys'
-synthetic tokens digested by the compiled core (``kvpool_native.chain_tokens``) and by
+synthetic tokens digested by the compiled core (``kvpool_native.chain_tokens_packed``) and by
 Python's ``hashlib`` (the path without the compiled core), in alternating rounds.
 
     python bench/store_path.py [--rounds 6] [--chains 60] [--blocks 256]
@@ -40,8 +40,8 @@ console = Console()
 
 
 async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
-    compiled = keys_module._fast_chain
-    if compiled is None:
+    compiled = keys_module._fast_chain, keys_module._fast_packed_chain
+    if None in compiled:
         raise SystemExit("store_path: needs the compiled core (kvpool_native)")
     config = AgentConfig.model_validate(
         {
@@ -63,7 +63,8 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
             task = bar.add_task("stores", total=args.rounds * 2 * args.chains)
             for _ in range(args.rounds):
                 for path in rounds:  # alternating: both see the same machine
-                    keys_module._fast_chain = compiled if path == "compiled" else None
+                    digests = compiled if path == "compiled" else (None, None)
+                    keys_module._fast_chain, keys_module._fast_packed_chain = digests
                     times = []
                     for _ in range(args.chains):
                         chain += 1
@@ -76,7 +77,7 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                         bar.advance(task)
                     rounds[path].append(statistics.median(times[args.chains // 10 :]))
     finally:
-        keys_module._fast_chain = compiled
+        keys_module._fast_chain, keys_module._fast_packed_chain = compiled
         await service.stop()
     return rounds
 

@@ -8,7 +8,8 @@ raw server and clients in alternating rounds and reads, per request, the CPU sec
 raw server, and of the client process (``getrusage``, its threads included).
 
 For PUTs it then times, in this process and without any protocol, the engine's part of the
-event loop's work on the same chains (``engine_steps``): ``chain_tokens``, the open of the
+event loop's work on the same chains (``engine_steps``): the chain's tokens
+(``packed_chain_tokens``, the step named ``chain_tokens``), the open of the
 chain's synthetic sequence (with the evictions a full cache makes), naming its blocks for
 their events, the release that commits them, and draining the events into a published batch.
 The event loop's CPU beyond their sum is the protocol's and asyncio's share, and the engine's
@@ -44,7 +45,7 @@ from transfer import (  # bench/transfer.py
 
 from kvpool_agent.cache.manager import KVCacheManager
 from kvpool_agent.config import AgentConfig
-from kvpool_agent.dataplane.keys import chain_tokens
+from kvpool_agent.dataplane.keys import packed_chain_tokens
 from kvpool_agent.server.events import make_encoder
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -77,7 +78,7 @@ def engine_steps(model: dict[str, Any], budget: int, blocks: int, puts: int) -> 
     for i in range(puts):
         chain = keys(f"steps/{i}", blocks)
         t0 = time.perf_counter()
-        tokens = chain_tokens(chain, TPB)
+        tokens = packed_chain_tokens(chain, TPB)
         t1 = time.perf_counter()
         handle = engine.open_sequence(tokens, cache_salt="bench", recompute_last_token=False)
         t2 = time.perf_counter()

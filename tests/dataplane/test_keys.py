@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool_agent.cache import KVCacheManager
-from kvpool_agent.cache.packed import pack_all, unpack
+from kvpool_agent.cache.packed import PackedTokens, pack_all, unpack
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
 from kvpool_agent.dataplane.keys import (
     KeyFormatError,
@@ -19,6 +19,7 @@ from kvpool_agent.dataplane.keys import (
     chain_tokens,
     check_keys,
     engine_key,
+    packed_chain_tokens,
 )
 from kvpool_agent.server.service import tenant_salt
 
@@ -50,11 +51,13 @@ def test_distinct_keys_get_distinct_blocks(keys: list[bytes]) -> None:
 
 @pytest.fixture(params=["compiled", "python"])
 def chain_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``chain_tokens`` through the compiled core's digests, or through Python's alone."""
+    """``chain_tokens`` (and ``packed_chain_tokens``) through the compiled core's digests, or
+    through Python's alone."""
     from kvpool_agent.dataplane import keys as keys_module
 
     if request.param == "python":
         monkeypatch.setattr(keys_module, "_fast_chain", None)
+        monkeypatch.setattr(keys_module, "_fast_packed_chain", None)
     elif keys_module._fast_chain is None:
         pytest.skip("the compiled core (kvpool_native) is not installed")
     return str(request.param)
@@ -77,6 +80,10 @@ def test_chain_tokens_are_the_keys_blocks_in_order(
     assert chain_tokens(keys, tpb) == want  # remembered (Python) or computed again
     assert chain_tokens(keys[::-1], tpb) == [t for k in keys[::-1] for t in block_tokens(k, tpb)]
     assert chain_tokens(tuple(keys), tpb) == want  # a tuple takes the Python path
+    packed = packed_chain_tokens(keys, tpb)
+    assert packed.data == pack_all(want) and packed.tolist() == want
+    assert len(packed) == len(want)
+    assert packed_chain_tokens(tuple(keys), tpb).data == packed.data
 
 
 def test_compiled_chain_tokens_refuses_what_it_cannot_digest() -> None:
@@ -88,6 +95,23 @@ def test_compiled_chain_tokens_refuses_what_it_cannot_digest() -> None:
     with pytest.raises(ValueError, match="person"):
         native.chain_tokens([b"a"], 4, b"p" * 17)
     assert native.chain_tokens([], 4, b"p") == []
+    with pytest.raises(TypeError):
+        native.chain_tokens_packed([b"a", "b"], 4, b"p")
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        native.chain_tokens_packed([b"a"], 0, b"p")
+    assert native.chain_tokens_packed([], 4, b"p") == b""
+
+
+def test_packed_tokens_slice_by_token_and_refuse_what_is_not() -> None:
+    tokens = PackedTokens(pack_all([5, 6, 7, 8, 9]) or b"")
+    assert len(tokens) == 5 and tokens.tolist() == [5, 6, 7, 8, 9]
+    assert tokens[1:3].tolist() == [6, 7] and tokens[:2].data == pack_all([5, 6])
+    assert tokens[3:].tolist() == [8, 9] and tokens[4:2].tolist() == []
+    assert tokens[-2:].tolist() == [8, 9] and tokens[:99].tolist() == tokens.tolist()
+    with pytest.raises(ValueError, match="step 1"):
+        tokens[::2]
+    with pytest.raises(ValueError, match="5 bytes"):
+        PackedTokens(b"12345")
 
 
 def test_chain_tokens_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,6 +192,32 @@ def workload(mgr: KVCacheManager, tpb: int = TPB) -> list[Any]:
     events = mgr.events.drain()
     tree = sorted((n.key, tuple(b.tier if b else -1 for b in n.blocks)) for n in mgr.iter_nodes())
     return [events, tree, mgr.usage(), dataclasses.asdict(mgr.stats)]
+
+
+@pytest.mark.parametrize("core", ["native", "python"])
+def test_packed_tokens_do_what_their_list_does(core: str) -> None:
+    """The data plane hands the engine ``PackedTokens``: opens, lookups and curve queries of
+    them leave both cores exactly as the same tokens as a list do."""
+    if core == "native":
+        pytest.importorskip("kvpool_native")
+
+    def drive(mgr: KVCacheManager, wrap: Any) -> list[Any]:
+        seen = []
+        for tag in range(6):
+            tokens = chain_tokens(keys_for(200 + tag % 4, 2 + tag % 3), TPB)
+            seen.append(mgr.lookup(wrap(tokens), cache_salt="s"))
+            mgr.query_policy_curve(wrap(tokens), cache_salt="s")
+            handle = mgr.open_sequence(wrap(tokens), cache_salt="s", recompute_last_token=False)
+            seen.append((handle.num_reused_tokens, handle.block_tables))
+            mgr.release(handle.seq_id)
+        return [seen, *workload(mgr)]
+
+    def packed(tokens: list[int]) -> PackedTokens:
+        return PackedTokens(pack_all(tokens) or b"")
+
+    want = drive(manager(core, eviction_policy="mixture"), list)
+    assert drive(manager(core, eviction_policy="mixture"), packed) == want
+    assert any(reused for reused, _ in want[0][1::2])  # some opens reused blocks
 
 
 @pytest.mark.parametrize("policy", ["lru", "mixture"])

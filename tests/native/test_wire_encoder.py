@@ -12,7 +12,7 @@ import pytest
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.cache.events import BlockStored
-from kvpool_agent.cache.packed import block_key
+from kvpool_agent.cache.packed import PackedTokens, block_key, pack_all
 from kvpool_agent.cache.sizing import build_pools
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
 from kvpool_agent.server.events import NativeWireEncoder, WireEncoder, make_encoder
@@ -111,10 +111,32 @@ def test_a_named_chain_goes_out_under_the_engine_hashes() -> None:
     assert [e["token_ids"] for e in events] == [tokens[i * TPB : (i + 1) * TPB] for i in range(3)]
 
 
+def test_a_chain_named_by_packed_tokens_goes_out_as_one_named_by_a_list() -> None:
+    tokens = list(range(70_000, 70_000 + 3 * TPB))  # past 16 bits: the packing must be 4 B
+    keys = [bytes([i]) * 32 for i in range(1, 4)]
+    for native in (False, True):
+        batches = []
+        for given in (tokens, PackedTokens(pack_all(tokens) or b"")):
+            mgr = manager("native" if native else "python")
+            enc = make_encoder(TPB, "CPU", native=native)
+            enc.name_chain(given, keys)
+            mgr.release(mgr.open_sequence(tokens + [99]).seq_id)
+            batches.append(enc.drain_batch(mgr.events, 1.0, 0))
+        assert batches[0] is not None and batches[1] == batches[0]
+        events = msgpack.unpackb(batches[0][0])[1][1:]
+        assert [e["block_hashes"][0] for e in events] == [
+            int.from_bytes(k[-8:], "big") for k in keys
+        ]
+
+
 def test_name_chain_refuses_tokens_that_are_not_whole_blocks() -> None:
+    five = PackedTokens(pack_all(list(range(5))) or b"")
     for enc in (WireEncoder(TPB, "CPU"), NativeWireEncoder(TPB, "CPU")):
-        with pytest.raises(ValueError, match="name_chain: 5 tokens for 1 keys"):
-            enc.name_chain(list(range(5)), [b"k"])
+        for tokens in (list(range(5)), five):
+            with pytest.raises(ValueError, match="name_chain: 5 tokens for 1 keys"):
+                enc.name_chain(tokens, [b"k"])
+    with pytest.raises(ValueError, match="5 bytes of packed tokens"):
+        NativeWireEncoder(TPB, "CPU")._inner.name_chain(b"12345", [b"k"])
 
 
 def test_a_live_block_costs_the_encoders_the_same_whatever_its_tokens() -> None:

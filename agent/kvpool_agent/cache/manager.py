@@ -43,6 +43,7 @@ from kvpool_agent.cache.errors import InvalidTokensError, RequestTooLargeError
 from kvpool_agent.cache.events import EventQueue
 from kvpool_agent.cache.native import NativeCore, NativeEvents, NativeGhost, new_core
 from kvpool_agent.cache.native_curves import AnyMissRatioCurve, AnyPolicyMiniature
+from kvpool_agent.cache.packed import PackedTokens
 from kvpool_agent.cache.retention import KvCacheRetentionConfig
 from kvpool_agent.cache.sequences import (
     check_and_pack,
@@ -172,7 +173,7 @@ class KVCacheManager:
 
     def open_sequence(
         self,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | PackedTokens,
         *,
         cache_salt: str | None = None,
         extra_keys: Sequence[int | str] = (),
@@ -186,7 +187,7 @@ class KVCacheManager:
         ``recompute_last_token`` keeps the last prompt token out of the match, so the client
         always has a token to run and get logits from.
         """
-        toks, packed = check_and_pack(tokens)
+        toks, packed = self._checked(tokens)
         if not toks:
             raise InvalidTokensError("tokens: a sequence needs at least one token")
         policy = check_retention(retention)
@@ -298,14 +299,14 @@ class KVCacheManager:
 
     def query_policy_curve(
         self,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | PackedTokens,
         *,
         cache_salt: str | None = None,
         extra_keys: Sequence[int | str] = (),
     ) -> None:
         """A query of the policy curve with every full block of ``tokens``, as an
         ``open_sequence`` of them would make, opening nothing (muted or not)."""
-        toks = check_tokens(tokens)
+        toks = self._checked(tokens)[0]
         self._core.query_curve(toks, namespace_of(cache_salt, extra_keys))
 
     def count_missed(self, blocks: int) -> None:
@@ -416,7 +417,7 @@ class KVCacheManager:
 
     def lookup(
         self,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | PackedTokens,
         *,
         cache_salt: str | None = None,
         extra_keys: Sequence[int | str] = (),
@@ -430,11 +431,23 @@ class KVCacheManager:
         side effects: nothing is pinned, no recency is touched, no counter moves and no
         event is queued.
         """
-        toks = check_tokens(tokens)
+        toks = self._checked(tokens)[0]
         namespace = namespace_of(cache_salt, extra_keys)
         return [TIER_NAMES[tier] for tier in self._core.lookup(toks, namespace)]
 
     # ----------------------------------------------------------------- internals
+
+    def _checked(
+        self, tokens: Sequence[int] | PackedTokens
+    ) -> tuple[list[int] | PackedTokens, bytes | None]:
+        """``tokens`` checked (``check_and_pack``), with their packed bytes where they pack.
+        ``PackedTokens`` need no check: the compiled core takes them as they are, the Python
+        core (which reads ints) unpacked."""
+        if isinstance(tokens, PackedTokens):
+            if isinstance(self._core, NativeCore):
+                return tokens, tokens.data
+            return tokens.tolist(), tokens.data
+        return check_and_pack(tokens)
 
     def _open_id(self, seq_id: int) -> int:
         """``seq_id``, checked to be the id of an open sequence."""

@@ -44,7 +44,7 @@ from kvpool_agent.cache.native_curves import (
     NativeMissRatioCurve,
     NativePolicyMiniature,
 )
-from kvpool_agent.cache.packed import pack
+from kvpool_agent.cache.packed import PackedTokens, pack
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.stats import CacheStats
 
@@ -334,7 +334,7 @@ class NativeCore:
 
     def open(
         self,
-        tokens: list[int],
+        tokens: list[int] | PackedTokens,
         packed: bytes | None,
         namespace: int,
         retention: KvCacheRetentionConfig,
@@ -431,13 +431,13 @@ class NativeCore:
     def mute_curve(self, muted: bool) -> None:
         self._engine.set_curve_queries(not muted)
 
-    def query_curve(self, tokens: list[int], namespace: int) -> None:
+    def query_curve(self, tokens: list[int] | PackedTokens, namespace: int) -> None:
         try:
             self._engine.query_curves(namespace, *_token_args(tokens))
         finally:
             self._after()
 
-    def lookup(self, tokens: list[int], namespace: int) -> list[int]:
+    def lookup(self, tokens: list[int] | PackedTokens, namespace: int) -> list[int]:
         return list(self._engine.lookup(namespace, *_token_args(tokens)))
 
     @property
@@ -487,8 +487,10 @@ class NativeCore:
         return int(self._engine.memory_bytes())
 
 
-def _token_args(tokens: list[int]) -> tuple[bytes | None, list[int] | None]:
+def _token_args(tokens: list[int] | PackedTokens) -> tuple[bytes | None, list[int] | None]:
     """The engine's ``(packed, tokens_list)`` arguments: the packed bytes when the tokens
     pack (every one fits 32 bits), else the list."""
+    if isinstance(tokens, PackedTokens):
+        return tokens.data, None
     packed = pack(tokens)
     return (packed, None) if isinstance(packed, bytes) else (None, tokens)

@@ -53,6 +53,39 @@ def pack_all(tokens: list[int]) -> bytes | None:
         return None
 
 
+class PackedTokens:
+    """A prompt's tokens already packed (``pack_all``'s bytes), made by a caller whose tokens
+    fit 32 bits by construction: the data plane's synthetic tokens
+    (``dataplane.keys.packed_chain_tokens``). The engine takes them as they are, with no
+    Python int per token and no check, where a list would be packed again; ``tolist`` is for
+    the Python core and for the few tokens a caller reads back."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        if len(data) % 4:
+            raise ValueError(f"packed tokens: {len(data)} bytes, not a whole number of tokens")
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data) // 4
+
+    def __getitem__(self, index: slice) -> PackedTokens:
+        """Tokens ``index`` (a slice of step 1), still packed."""
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError("packed tokens: only slices of step 1")
+        return PackedTokens(self.data[4 * start : 4 * max(start, stop)])
+
+    def tolist(self) -> list[int]:
+        return array(_CODE, self.data).tolist()
+
+
+def as_list(tokens: Sequence[int] | PackedTokens) -> Sequence[int]:
+    """``tokens`` as ints: a ``PackedTokens`` unpacked, anything else as it is."""
+    return tokens.tolist() if isinstance(tokens, PackedTokens) else tokens
+
+
 def slice_blocks(packed: bytes, first: int, stop: int, tpb: int) -> list[Packed]:
     """Blocks ``first .. stop - 1`` of packed tokens: ``pack_blocks`` of them, by slicing."""
     step = 4 * tpb

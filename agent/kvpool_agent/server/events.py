@@ -69,6 +69,7 @@ from kvpool_agent.cache.events import (
     BlockUpdated,
     KVEvent,
 )
+from kvpool_agent.cache.packed import PackedTokens, as_list
 
 log = logging.getLogger("kvpool.agent.events")
 
@@ -187,8 +188,9 @@ class WireEncoder:
         """Names given that no BlockStored has taken yet."""
         return len(self._names)
 
-    def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
+    def name_chain(self, tokens: Sequence[int] | PackedTokens, keys: Sequence[bytes]) -> None:
         """``name`` each block of a chain: block ``i`` is ``tokens[i*bs:(i+1)*bs]``."""
+        tokens = as_list(tokens)
         bs = self.block_size
         if len(tokens) != len(keys) * bs:
             raise ValueError(f"name_chain: {len(tokens)} tokens for {len(keys)} keys of {bs}")
@@ -301,10 +303,11 @@ class NativeWireEncoder:
     def watched(self) -> int:
         return int(self._inner.watched)
 
-    def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None:
+    def name_chain(self, tokens: Sequence[int] | PackedTokens, keys: Sequence[bytes]) -> None:
         if type(keys) is not list or not set(map(type, keys)) <= {bytes}:
             keys = [bytes(k) for k in keys]  # (the data plane's are checked bytes already)
-        self._inner.name_chain(tokens, keys)
+        # Packed tokens go over as their bytes: no int object per token either way.
+        self._inner.name_chain(tokens.data if isinstance(tokens, PackedTokens) else tokens, keys)
 
     def encode_batch(
         self, events: Sequence[KVEvent], ts: float, rank: int
@@ -343,7 +346,7 @@ class Encoder(Protocol):
     @property
     def watched(self) -> int: ...
 
-    def name_chain(self, tokens: Sequence[int], keys: Sequence[bytes]) -> None: ...
+    def name_chain(self, tokens: Sequence[int] | PackedTokens, keys: Sequence[bytes]) -> None: ...
 
     def encode_batch(
         self, events: Sequence[KVEvent], ts: float, rank: int

@@ -36,7 +36,7 @@ from kvpool_agent.cache import (
 from kvpool_agent.cache.miniature import PolicyCurveSnapshot
 from kvpool_agent.cache.mrc import BOUNDS, CurveSnapshot
 from kvpool_agent.cache.native_curves import NativePolicyMiniature
-from kvpool_agent.cache.packed import unpack
+from kvpool_agent.cache.packed import PackedTokens, unpack
 from kvpool_agent.cache.sequences import namespace_of as _namespace
 from kvpool_agent.config import (
     DEFAULT_PRIORITY,
@@ -51,8 +51,8 @@ from kvpool_agent.dataplane.keys import (
     KEYS_SALT_PREFIX,
     KeyFormatError,
     KeyNamespace,
-    chain_tokens,
     check_keys,
+    packed_chain_tokens,
 )
 from kvpool_agent.dataplane.protocol import lease_range_error
 from kvpool_agent.server.attention import AttentionBatch, run_attention
@@ -151,7 +151,7 @@ class Store:
     held: tuple[int, ...]
     block_ids: dict[int, list[int]]
     """Per pool, the primary ids of the blocks the store writes (chain blocks resident..)."""
-    names: tuple[list[int], list[bytes]] = field(default_factory=lambda: ([], []))
+    names: tuple[PackedTokens, list[bytes]] = field(default_factory=lambda: (PackedTokens(b""), []))
     """Synthetic tokens and engine keys of the blocks it writes (block ``i`` is the ``i``-th
     ``tokens_per_block`` run): its KV events name each block by the engine's hash."""
     first: tuple[str, str | None, list[int]] | None = None
@@ -699,12 +699,13 @@ class AgentService:
         tenant = self.tenant_of(principal)
         chain = self._chain(ns, keys)
         salt = tenant_salt(tenant, ns.salt())
-        tokens = chain_tokens(chain, self.engine.tpb)
+        tpb = self.engine.tpb
+        tokens = packed_chain_tokens(chain, tpb)
 
         def run() -> list[str]:
             tiers = self.engine.lookup(tokens, cache_salt=salt)
             if tiers:
-                self._list_first(tenant, ns.salt(), salt, tokens)
+                self._list_first(tenant, ns.salt(), salt, tokens[:tpb].tolist())
             return tiers
 
         return await self.call(run)
@@ -730,7 +731,7 @@ class AgentService:
         ttl = min(float(ttl), cfg.max_lease_ttl_s)
         salt = tenant_salt(tenant, ns.salt())
         tpb = self.engine.tpb
-        tokens = chain_tokens(chain, tpb)
+        tokens = packed_chain_tokens(chain, tpb)
 
         def run() -> tuple[Lease | None, list[str]]:
             tiers = self.engine.lookup(tokens, cache_salt=salt)
@@ -749,7 +750,7 @@ class AgentService:
                 raise RequestError(503, "lease: the cache changed under the request; retry")
             self._count_unmatched(len(chain) - d)
             self.engine.query_policy_curve(tokens, cache_salt=salt)
-            self._list_first(tenant, ns.salt(), salt, tokens)
+            self._list_first(tenant, ns.salt(), salt, tokens[:tpb].tolist())
             lease = Lease(
                 self._new_id(),
                 tenant,
@@ -898,8 +899,8 @@ class AgentService:
                 raise RequestError(422, "priority: an integer in [0, 100]") from None
         salt = tenant_salt(tenant, ns.salt())
         tpb = self.engine.tpb
-        tokens = chain_tokens(chain, tpb)
-        listing = (ns.salt(), salt, tokens[:tpb])  # the chain in a first-block table
+        tokens = packed_chain_tokens(chain, tpb)
+        listing = (ns.salt(), salt, tokens[:tpb].tolist())  # the chain in a first-block table
         n = len(chain)
         if ttl_s is not None:
             if isinstance(ttl_s, bool) or not math.isfinite(ttl_s) or ttl_s <= 0:

@@ -8,6 +8,7 @@ use super::MAX_PERSON_BYTES;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chain_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(chain_tokens_packed, m)?)?;
     Ok(())
 }
 
@@ -21,17 +22,42 @@ fn chain_tokens<'py>(
     tokens_per_block: usize,
     person: &[u8],
 ) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, tokens_of(keys, tokens_per_block, person)?)
+}
+
+/// `chain_tokens` packed as `uint32` little-endian bytes (`pack_tokens`' form), for a caller
+/// that hands them to the engine as they are: no Python int per token.
+#[pyfunction]
+fn chain_tokens_packed<'py>(
+    py: Python<'py>,
+    keys: &Bound<'py, PyList>,
+    tokens_per_block: usize,
+    person: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    let tokens = tokens_of(keys, tokens_per_block, person)?;
+    PyBytes::new_with(py, tokens.len() * 4, |out| {
+        for (word, t) in out.chunks_exact_mut(4).zip(&tokens) {
+            word.copy_from_slice(&t.to_le_bytes());
+        }
+        Ok(())
+    })
+}
+
+fn tokens_of(
+    keys: &Bound<'_, PyList>,
+    tokens_per_block: usize,
+    person: &[u8],
+) -> PyResult<Vec<u32>> {
     if tokens_per_block == 0 {
         return Err(PyValueError::new_err("tokens_per_block: at least 1"));
     }
     if person.len() > MAX_PERSON_BYTES {
         return Err(PyValueError::new_err("person: at most 16 bytes"));
     }
-    let items: Vec<Bound<'py, PyBytes>> = keys
+    let items: Vec<Bound<'_, PyBytes>> = keys
         .iter()
         .map(|k| k.cast_into::<PyBytes>().map_err(PyErr::from))
         .collect::<PyResult<_>>()?;
     let views: Vec<&[u8]> = items.iter().map(|b| b.as_bytes()).collect();
-    let tokens = super::chain_tokens(&views, tokens_per_block, person);
-    PyList::new(py, tokens)
+    Ok(super::chain_tokens(&views, tokens_per_block, person))
 }

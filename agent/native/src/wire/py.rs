@@ -92,8 +92,28 @@ impl PyWireEncoder {
     }
 
     /// `WireEncoder.name_chain`: block `i` of the flat `tokens` (`len(keys)` blocks of
-    /// `block_size`) goes out under the wire hash of `keys[i]` when stored.
-    fn name_chain(&mut self, tokens: Vec<u64>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
+    /// `block_size`) goes out under the wire hash of `keys[i]` when stored. `tokens` is a list
+    /// of ints, or `bytes` of `uint32` little-endian (`chain_tokens_packed`).
+    fn name_chain(
+        &mut self,
+        tokens: &Bound<'_, PyAny>,
+        keys: Vec<Bound<'_, PyBytes>>,
+    ) -> PyResult<()> {
+        let tokens: Vec<u64> = match tokens.cast::<PyBytes>() {
+            Ok(packed) => {
+                let raw = packed.as_bytes();
+                if raw.len() % 4 != 0 {
+                    return Err(PyValueError::new_err(format!(
+                        "name_chain: {} bytes of packed tokens (4 a token)",
+                        raw.len()
+                    )));
+                }
+                raw.chunks_exact(4)
+                    .map(|w| u64::from(u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
+                    .collect()
+            }
+            Err(_) => tokens.extract()?,
+        };
         let bs = self.inner.block_size as usize;
         if tokens.len() != keys.len() * bs {
             return Err(PyValueError::new_err(format!(
