@@ -6,10 +6,13 @@ this runs one row on a fresh agent, for comparing two versions of the client or 
 back to back (a worktree's packages first on ``PYTHONPATH``: the agent process inherits it).
 ``--op ping`` times instead what one same-node round trip costs: PINGs back to back, and
 PINGs each after a memcpy of a request's bytes (the agent idle meanwhile, as it is while an
-engine copies), p50 and p90.
+engine copies), p50 and p90. ``--op phases`` times one PUT at a time by phase, through the
+Python exchange (the reservation's round trip, the copy into the mapping, the commit's round
+trip), medians over ``--puts`` PUTs of new chains, beside one memcpy of the same bytes.
 
     python bench/shm_ops.py --payload 2MiB --op get --clients 1 [--rounds 3] [--seconds 2]
     python bench/shm_ops.py --op ping
+    python bench/shm_ops.py --payload 128KiB --op phases [--puts 400]
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from rich.console import Console
 from transfer import (
     GEOMETRIES,
+    NS,
     AgentProcess,
     bench_memcpy_threads,
     bench_shm,
+    keys,
     memcpy_fn,
     request_blocks,
 )
@@ -39,8 +45,10 @@ console = Console()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--payload", choices=sorted(GEOMETRIES), default="2MiB")
-    parser.add_argument("--op", choices=("put", "put_many", "get", "ping"), default="get")
+    ops = ("put", "put_many", "get", "ping", "phases")
+    parser.add_argument("--op", choices=ops, default="get")
     parser.add_argument("--pings", type=int, default=2000, help="per case, with --op ping")
+    parser.add_argument("--puts", type=int, default=400, help="with --op phases")
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -56,6 +64,9 @@ def main() -> None:
             if args.op == "ping":
                 ping_after_copies(agent.unix_socket, nbytes, args.pings)
                 return
+            if args.op == "phases":
+                put_phases(agent.unix_socket, blocks, args.puts)
+                return
             for r in range(args.rounds):
                 memcpy = bench_memcpy_threads(nbytes, args.clients, args.seconds) / 1e9
                 shm = bench_shm(agent.unix_socket, args.op, args.clients, blocks, args.seconds, r)
@@ -67,6 +78,33 @@ def main() -> None:
         finally:
             agent.stop()
     console.print(f"median ratio {statistics.median(ratios):.2f}")
+
+
+def put_phases(path: str, blocks: int, puts: int) -> None:
+    """One PUT at a time of new ``blocks``-block chains through the Python exchange, timed by
+    phase (the first tenth dropped as warm-up), and one memcpy of the same bytes."""
+    copy = memcpy_fn()[1]
+    phases: dict[str, list[float]] = {"reserve": [], "copy in": [], "commit": [], "memcpy": []}
+    with ShmClient(path, timeout=120) as client:
+        geo = client.geometry()
+        kv = [torch.randn(geo.kv_shape(p.index, blocks)).to(torch.bfloat16) for p in geo.pools]
+        src = np.random.default_rng(0).integers(0, 255, blocks * geo.block_bytes, dtype=np.uint8)
+        dst = np.empty_like(src)
+        for i in range(puts):
+            t0 = time.perf_counter()
+            reservation = client.reserve(NS, keys(f"phases/{i}", blocks))
+            t1 = time.perf_counter()
+            client.write(reservation, kv)
+            t2 = time.perf_counter()
+            client.commit(reservation)
+            t3 = time.perf_counter()
+            copy(dst, src)
+            t4 = time.perf_counter()
+            if i >= puts // 10:
+                for name, took in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    phases[name].append(took)
+    for name, times in phases.items():
+        console.print(f"{name}: median {statistics.median(times) * 1e3:.3f} ms")
 
 
 def ping_after_copies(path: str, nbytes: int, pings: int) -> None:
