@@ -9,10 +9,14 @@ PINGs each after a memcpy of a request's bytes (the agent idle meanwhile, as it 
 engine copies), p50 and p90. ``--op phases`` times one PUT at a time by phase, through the
 Python exchange (the reservation's round trip, the copy into the mapping, the commit's round
 trip), medians over ``--puts`` PUTs of new chains, beside one memcpy of the same bytes.
+``--tcp`` runs the transfer port's PUT or GET instead (``TransferClient``, as
+``bench/transfer.py`` does), its GB/s per round and their median, with no baseline: for
+telling two versions' agents apart, run in turn.
 
     python bench/shm_ops.py --payload 2MiB --op get --clients 1 [--rounds 3] [--seconds 2]
     python bench/shm_ops.py --op ping
     python bench/shm_ops.py --payload 128KiB --op phases [--puts 400]
+    python bench/shm_ops.py --payload 128KiB --op put --tcp
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from transfer import (
     NS,
     AgentProcess,
     bench_memcpy_threads,
+    bench_protocol,
     bench_shm,
     keys,
     memcpy_fn,
@@ -49,6 +54,7 @@ def main() -> None:
     parser.add_argument("--op", choices=ops, default="get")
     parser.add_argument("--pings", type=int, default=2000, help="per case, with --op ping")
     parser.add_argument("--puts", type=int, default=400, help="with --op phases")
+    parser.add_argument("--tcp", action="store_true", help="the transfer port (put or get)")
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -66,6 +72,21 @@ def main() -> None:
                 return
             if args.op == "phases":
                 put_phases(agent.unix_socket, blocks, args.puts)
+                return
+            if args.tcp:
+                if args.op not in ("put", "get"):
+                    parser.error("--tcp takes --op put or get")
+                rates = []
+                for r in range(args.rounds):
+                    rate = bench_protocol(
+                        agent.address, args.op, args.clients, blocks, args.seconds, r
+                    )
+                    rates.append(rate / 1e9)
+                    console.print(
+                        f"{args.payload} {args.op} x{args.clients} round {r}: "
+                        f"transfer port {rates[-1]:.2f} GB/s"
+                    )
+                console.print(f"median {statistics.median(rates):.2f} GB/s")
                 return
             for r in range(args.rounds):
                 memcpy = bench_memcpy_threads(nbytes, args.clients, args.seconds) / 1e9
