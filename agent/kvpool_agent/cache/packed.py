@@ -54,8 +54,10 @@ def pack_all(tokens: list[int]) -> bytes | None:
 
 
 class PackedTokens:
-    """A prompt's tokens already packed (``pack_all``'s bytes), made by a caller whose tokens
-    fit 32 bits by construction: the data plane's synthetic tokens
+    """A prompt's tokens already packed as ``pack_all`` packs them (``uint32``, 4 bytes each,
+    in this machine's order; the compiled core writes them little-endian, as its
+    ``pack_tokens`` does: both take a little-endian machine, x86-64 or arm64), made by a
+    caller whose tokens fit 32 bits by construction: the data plane's synthetic tokens
     (``dataplane.keys.packed_chain_tokens``). The engine takes them as they are, with no
     Python int per token and no check, where a list would be packed again; ``tolist`` is for
     the Python core and for the few tokens a caller reads back."""
