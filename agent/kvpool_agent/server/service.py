@@ -154,7 +154,7 @@ class Store:
     names: tuple[PackedTokens, list[bytes]] = field(default_factory=lambda: (PackedTokens(b""), []))
     """Synthetic tokens and engine keys of the blocks it writes (block ``i`` is the ``i``-th
     ``tokens_per_block`` run): its KV events name each block by the engine's hash."""
-    first: tuple[str, str | None, list[int]] | None = None
+    first: tuple[str, str | None, PackedTokens] | None = None
     """The chain's namespace salt (``KeyNamespace.salt()``), the tenant's salt of it and its
     first block's synthetic tokens, to list it in a first-block table (``_list_first``)."""
     expires_at: float | None = None
@@ -705,7 +705,7 @@ class AgentService:
         def run() -> list[str]:
             tiers = self.engine.lookup(tokens, cache_salt=salt)
             if tiers:
-                self._list_first(tenant, ns.salt(), salt, tokens[:tpb].tolist())
+                self._list_first(tenant, ns.salt(), salt, tokens[:tpb])
             return tiers
 
         return await self.call(run)
@@ -750,7 +750,7 @@ class AgentService:
                 raise RequestError(503, "lease: the cache changed under the request; retry")
             self._count_unmatched(len(chain) - d)
             self.engine.query_policy_curve(tokens, cache_salt=salt)
-            self._list_first(tenant, ns.salt(), salt, tokens[:tpb].tolist())
+            self._list_first(tenant, ns.salt(), salt, tokens[:tpb])
             lease = Lease(
                 self._new_id(),
                 tenant,
@@ -900,7 +900,7 @@ class AgentService:
         salt = tenant_salt(tenant, ns.salt())
         tpb = self.engine.tpb
         tokens = packed_chain_tokens(chain, tpb)
-        listing = (ns.salt(), salt, tokens[:tpb].tolist())  # the chain in a first-block table
+        listing = (ns.salt(), salt, tokens[:tpb])  # the chain in a first-block table
         n = len(chain)
         if ttl_s is not None:
             if isinstance(ttl_s, bool) or not math.isfinite(ttl_s) or ttl_s <= 0:
@@ -987,18 +987,19 @@ class AgentService:
         )
 
     def _list_first(
-        self, tenant: str | None, ns_salt: str, salt: str | None, tokens: list[int]
+        self, tenant: str | None, ns_salt: str, salt: str | None, tokens: PackedTokens
     ) -> None:
         """Inside the engine call that found a chain's first block resident: list it in the
         tenant's first-block table, if the tenant has one, and watch the block's removal.
         The events so far are published first: a removal among them is of an earlier copy
         of the block (evicted, then stored again in this call), which must leave the table
-        before this one is listed, not after."""
+        before this one is listed, not after. ``tokens``: the chain's first block's, unpacked
+        only when a table takes them."""
         index = self.first_blocks
         if index is None or tenant not in index.tables:
             return
         self.flush_events()
-        self._note_first(index, tenant, ns_salt, salt, tokens)
+        self._note_first(index, tenant, ns_salt, salt, tokens.tolist())
 
     def _note_first(
         self,
