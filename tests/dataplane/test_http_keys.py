@@ -150,3 +150,23 @@ async def test_stop_returns_at_once_right_after_a_lease(tmp_path: Path) -> None:
     stopping = asyncio.ensure_future(svc.stop())
     done, _ = await asyncio.wait((stopping,), timeout=5)  # (wait_for would cancel it)
     assert stopping in done, "stop hangs"
+
+
+async def test_public_ids_are_random_62_bit_and_never_reused_while_open(
+    service: AgentService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ids of stores, leases and sequences come from the OS's random bytes, drawn many at a
+    time; a draw that names an id still open is skipped."""
+    begun = await service.begin_store(A, NS, keys_for(5, 2), 0)
+    assert begun.store is not None
+    taken = begun.store.store_id
+    assert 1 <= taken <= 1 << 62
+    # The next batch's last draw (ids are taken from the end) repeats the open store's id.
+    draws = [7 << 2, (taken - 1) << 2]
+    monkeypatch.setattr("os.urandom", lambda n: b"".join(d.to_bytes(8, "little") for d in draws))
+    service._random_ids.clear()
+    assert service._new_id() == 8  # the open store's id was drawn, and skipped
+    monkeypatch.undo()
+    ids = {service._new_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(1 <= i <= 1 << 62 for i in ids)
+    await service.finish_store(begun.store)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.cache.packed import PackedTokens, pack_all, unpack
+from kvpool_agent.cache.stats import QUERY_COUNTERS
 from kvpool_agent.config import KvCacheConfig, ModelGeometry
 from kvpool_agent.dataplane.keys import (
     KeyFormatError,
@@ -218,6 +219,27 @@ def test_packed_tokens_do_what_their_list_does(core: str) -> None:
     want = drive(manager(core, eviction_policy="mixture"), list)
     assert drive(manager(core, eviction_policy="mixture"), packed) == want
     assert any(reused for reused, _ in want[0][1::2])  # some opens reused blocks
+
+
+@pytest.mark.parametrize("core", ["native", "python"])
+def test_uncounted_stores_keep_the_query_counters_and_count_the_rest(core: str) -> None:
+    """What the agent stores for itself (``uncounted``: a PUT, a snapshot import) leaves the
+    client query counters where they were on both cores; its evictions and offloads count."""
+    if core == "native":
+        pytest.importorskip("kvpool_native")
+    mgr = manager(core)
+    store(mgr, chain_tokens(keys_for(1, 3), TPB))  # client traffic
+    before = dataclasses.asdict(mgr.stats)
+    with mgr.uncounted():
+        for tag in range(4):
+            store(mgr, chain_tokens(keys_for(10 + tag, 3), TPB))
+            store(mgr, chain_tokens(keys_for(1, 3), TPB))  # a hit, not counted either
+    after = dataclasses.asdict(mgr.stats)
+    assert {n: after[n] for n in QUERY_COUNTERS} == {n: before[n] for n in QUERY_COUNTERS}
+    assert after["evictions"][0] > before["evictions"][0] and after["offloads"] > 0
+    store(mgr, chain_tokens(keys_for(1, 3), TPB))  # counted again
+    assert mgr.stats.queries_blocks == before["queries_blocks"] + 3
+    assert mgr.stats.sequences_opened == before["sequences_opened"] + 1
 
 
 @pytest.mark.parametrize("policy", ["lru", "mixture"])

@@ -54,8 +54,10 @@ began evicting (``OutOfBlocksError`` with those evictions, and their copies, don
 - ``commit(seq_id, now) -> None``; ``release(seq_id, discard, now) -> None`` (``discard``:
   drop the blocks not committed yet).
 - ``clear(now) -> int``: nodes dropped.
-- ``restore_counters(saved: dict[str, int | list[int]]) -> None``: put the named
-  ``CacheStats`` counters back to earlier values (work that is not client traffic).
+- ``save_counters() -> object`` and ``restore_counters(saved) -> None``: put the client
+  query counters (``stats.QUERY_COUNTERS``) back to what they were at ``save_counters``,
+  the rest left as they are now (work that is not client traffic); what is saved is the
+  core's own.
 - ``count_missed(blocks) -> None``: blocks a client asked for that no open matched (a
   lease past what the pool holds), counted as queried and missed.
 - ``configure(settings, now) -> None``: new live settings; a new ``eviction_policy``
@@ -110,7 +112,7 @@ from kvpool_agent.cache.native_curves import AnyMissRatioCurve, AnyPolicyMiniatu
 from kvpool_agent.cache.packed import block_key, pack_blocks, slice_blocks
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
 from kvpool_agent.cache.sequences import SequenceRecord, not_open
-from kvpool_agent.cache.stats import CacheStats, GhostList
+from kvpool_agent.cache.stats import QUERY_COUNTERS, CacheStats, GhostList
 from kvpool_agent.cache.tiers import CopyOp, Tiers
 from kvpool_agent.cache.tree import RadixTree
 from kvpool_agent.config import DEFAULT_PRIORITY
@@ -386,8 +388,13 @@ class CacheCore:
         self.stats.queries_tokens += blocks * self.tpb
         self.stats.queries_blocks += blocks
 
+    def save_counters(self) -> dict[str, Any]:
+        """The client query counters as they are (``KVCacheManager.uncounted``)."""
+        stats = self.stats
+        return {name: copy.copy(getattr(stats, name)) for name in QUERY_COUNTERS}
+
     def restore_counters(self, saved: dict[str, Any]) -> None:
-        """Put the named counters back to ``saved`` values (``KVCacheManager.uncounted``)."""
+        """Put the query counters back to ``saved`` (``save_counters``)."""
         for name, value in saved.items():
             setattr(self.stats, name, copy.copy(value))
 

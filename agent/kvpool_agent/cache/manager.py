@@ -22,7 +22,6 @@ rejected call leaves the cache exactly as it was.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -61,7 +60,7 @@ from kvpool_agent.cache.sizing import (
     plan_pools,
     primary_budget,
 )
-from kvpool_agent.cache.stats import QUERY_COUNTERS, CacheStats, GhostList
+from kvpool_agent.cache.stats import CacheStats, GhostList
 from kvpool_agent.cache.storage import TierStorage, copy_group_blocks
 from kvpool_agent.config import (
     LIVE_FIELDS,
@@ -273,7 +272,7 @@ class KVCacheManager:
         """Requests made inside are not client traffic (a store through the transfer port, a
         snapshot import): the query and hit counters are put back afterwards, so hit rates
         stay the clients'; evictions, offloads and the rest still count."""
-        saved = {name: copy.copy(getattr(self.stats, name)) for name in QUERY_COUNTERS}
+        saved = self._core.save_counters()
         try:
             with self.curve_muted():
                 yield

@@ -46,7 +46,7 @@ from kvpool_agent.cache.native_curves import (
 )
 from kvpool_agent.cache.packed import PackedTokens, pack
 from kvpool_agent.cache.retention import DEFAULT_RETENTION, KvCacheRetentionConfig
-from kvpool_agent.cache.stats import CacheStats
+from kvpool_agent.cache.stats import QUERY_COUNTERS, CacheStats
 
 try:
     import kvpool_native
@@ -173,6 +173,17 @@ assert list(_COUNTERS) == [
     "chunk_moves",
     "sequences_opened",
 ], "NativeCore._after reads the engine's counters in this order"
+_QUERY_SLOTS = tuple(
+    slot
+    for name, slots in zip(
+        _COUNTERS,
+        ([0], [1], [2, 3], [4, 5], [6], [7], [8], [9, 10], [11], [12], [13], [14]),
+        strict=True,
+    )
+    if name in QUERY_COUNTERS
+    for slot in slots
+)
+"""Where ``QUERY_COUNTERS`` are in the engine's ``counters()``."""
 
 
 class NativeCore:
@@ -380,15 +391,17 @@ class NativeCore:
         finally:
             self._after()
 
-    def restore_counters(self, saved: dict[str, Any]) -> None:
-        """Put the named counters back to ``saved`` values (``KVCacheManager.uncounted``)."""
-        values = {name: getattr(self.stats, name) for name in _COUNTERS}
-        values.update(saved)
-        flat: list[int] = []
-        for name in _COUNTERS:
-            value = values[name]
-            flat.extend(value if isinstance(value, list) else [value])
-        self._engine.set_counters(flat)
+    def save_counters(self) -> list[int]:
+        """The engine's counters as they are (``KVCacheManager.uncounted``): one list, no
+        ``CacheStats`` copy (a store through the data plane saves them each time)."""
+        return self._engine.counters()
+
+    def restore_counters(self, saved: list[int]) -> None:
+        """Put the query counters back to ``saved`` (``save_counters``), the rest as now."""
+        values = self._engine.counters()
+        for slot in _QUERY_SLOTS:
+            values[slot] = saved[slot]
+        self._engine.set_counters(values)
         self._after()
 
     def count_missed(self, blocks: int) -> None:

@@ -674,6 +674,10 @@ class Connection:
         self._main: asyncio.Task[Any] | None = None
         self._abort = threading.Event()
         """Set when the connection goes away: worker threads on its socket stop."""
+        self._reading: asyncio.Future[None] | None = None
+        """The connection's wait for its socket to become readable, while there is one."""
+        self._watching = False
+        """The loop watches the socket for reads (``_readable``)."""
 
     # ------------------------------------------------------------- socket primitives
 
@@ -686,7 +690,10 @@ class Connection:
         if write:
             self.loop.add_writer(self.fd, _wake, fut)
         else:
-            self.loop.add_reader(self.fd, _wake, fut)
+            self._reading = fut
+            if not self._watching:
+                self.loop.add_reader(self.fd, self._readable)
+                self._watching = True
         timer = None if deadline is None else self.loop.call_at(deadline, _expire, fut)
         try:
             await fut
@@ -696,7 +703,23 @@ class Connection:
             if write:
                 self.loop.remove_writer(self.fd)
             else:
-                self.loop.remove_reader(self.fd)
+                self._reading = None
+
+    def _readable(self) -> None:
+        """The socket has bytes: wake the wait for them. The loop keeps watching between one
+        request's frames and the next (a reader added and removed per frame cost two system
+        calls and a handle each time); with no wait to wake it stops, since it would be
+        called on every turn of the loop until the bytes are read (a worker thread's)."""
+        fut = self._reading
+        if fut is None or fut.done():
+            self._unwatch()
+            return
+        fut.set_result(None)
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self.loop.remove_reader(self.fd)
+            self._watching = False
 
     async def _recv_into(self, buffers: list[memoryview], deadline: float | None = None) -> int:
         """Receive into ``buffers`` (scatter): at least one byte, or ConnectionClosed (or
@@ -890,6 +913,7 @@ class Connection:
     _last_id = 0
 
     async def _shutdown(self, last: _Reply | None) -> None:
+        self._unwatch()  # nothing reads the socket any more (the linger close reads itself)
         writer = self._writer
         if writer is not None and not writer.done():
             if last is not None:
