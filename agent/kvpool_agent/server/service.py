@@ -450,8 +450,8 @@ class AgentService:
 
     def _new_id(self) -> int:
         """A random 62-bit id, unused by any open sequence, lease or store. The OS's random
-        bytes are read ``RANDOM_IDS`` ids at a time: a system call per id was about 3% of
-        the agent's CPU per same-node save (py-spy, docs/dataplane.md)."""
+        bytes are read ``RANDOM_IDS`` ids at a time: a system call per id was 1 to 3% of the
+        agent's CPU per same-node save (py-spy, docs/dataplane.md)."""
         while True:
             if not self._random_ids:
                 draws = array("Q", os.urandom(8 * RANDOM_IDS))
