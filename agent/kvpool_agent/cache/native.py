@@ -22,6 +22,7 @@ until drained (``NativeEvents``).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -173,17 +174,17 @@ assert list(_COUNTERS) == [
     "chunk_moves",
     "sequences_opened",
 ], "NativeCore._after reads the engine's counters in this order"
+_WIDTHS = [len(v) if isinstance(v, list) else 1 for v in vars(CacheStats()).values()]
 _QUERY_SLOTS = tuple(
     slot
-    for name, slots in zip(
-        _COUNTERS,
-        ([0], [1], [2, 3], [4, 5], [6], [7], [8], [9, 10], [11], [12], [13], [14]),
-        strict=True,
+    for name, width, start in zip(
+        _COUNTERS, _WIDTHS, itertools.accumulate(_WIDTHS, initial=0), strict=False
     )
     if name in QUERY_COUNTERS
-    for slot in slots
+    for slot in range(start, start + width)
 )
-"""Where ``QUERY_COUNTERS`` are in the engine's ``counters()``."""
+"""Where ``QUERY_COUNTERS`` are in the engine's ``counters()`` (a list counter, one per tier,
+takes a slot per tier)."""
 
 
 class NativeCore:

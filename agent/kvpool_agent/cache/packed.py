@@ -83,11 +83,6 @@ class PackedTokens:
         return array(_CODE, self.data).tolist()
 
 
-def as_list(tokens: Sequence[int] | PackedTokens) -> Sequence[int]:
-    """``tokens`` as ints: a ``PackedTokens`` unpacked, anything else as it is."""
-    return tokens.tolist() if isinstance(tokens, PackedTokens) else tokens
-
-
 def slice_blocks(packed: bytes, first: int, stop: int, tpb: int) -> list[Packed]:
     """Blocks ``first .. stop - 1`` of packed tokens: ``pack_blocks`` of them, by slicing."""
     step = 4 * tpb

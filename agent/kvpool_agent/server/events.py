@@ -69,7 +69,7 @@ from kvpool_agent.cache.events import (
     BlockUpdated,
     KVEvent,
 )
-from kvpool_agent.cache.packed import PackedTokens, as_list
+from kvpool_agent.cache.packed import PackedTokens
 
 log = logging.getLogger("kvpool.agent.events")
 
@@ -190,7 +190,8 @@ class WireEncoder:
 
     def name_chain(self, tokens: Sequence[int] | PackedTokens, keys: Sequence[bytes]) -> None:
         """``name`` each block of a chain: block ``i`` is ``tokens[i*bs:(i+1)*bs]``."""
-        tokens = as_list(tokens)
+        if isinstance(tokens, PackedTokens):
+            tokens = tokens.tolist()
         bs = self.block_size
         if len(tokens) != len(keys) * bs:
             raise ValueError(f"name_chain: {len(tokens)} tokens for {len(keys)} keys of {bs}")

@@ -93,18 +93,25 @@ fn raise(py: Python<'_>, err: EngineError) -> PyErr {
 /// Token ids from the packed bytes, else from the list.
 fn tokens(packed: Option<&Bound<'_, PyBytes>>, list: Option<Vec<u64>>) -> PyResult<Vec<u64>> {
     if let Some(bytes) = packed {
-        let raw = bytes.as_bytes();
-        if raw.len() % 4 != 0 {
-            return Err(PyValueError::new_err(
-                "packed tokens: a multiple of 4 bytes",
-            ));
-        }
-        return Ok(raw
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64)
-            .collect());
+        return unpack_tokens("tokens", bytes.as_bytes());
     }
     list.ok_or_else(|| PyValueError::new_err("tokens: give the packed bytes or a list"))
+}
+
+/// Token ids from `uint32` little-endian bytes (`pack_tokens`' and `chain_tokens_packed`'s
+/// form); `what` names the argument in the refusal of a length that is no whole number of
+/// tokens.
+pub(crate) fn unpack_tokens(what: &str, raw: &[u8]) -> PyResult<Vec<u64>> {
+    if !raw.len().is_multiple_of(4) {
+        return Err(PyValueError::new_err(format!(
+            "{what}: {} bytes of packed tokens (4 a token)",
+            raw.len()
+        )));
+    }
+    Ok(raw
+        .chunks_exact(4)
+        .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+        .collect())
 }
 
 type RangeTuple = (u64, Option<u64>, u8, Option<u64>);

@@ -8,6 +8,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use super::{wire_hash, WireEncoder, REASONS};
 use crate::engine::log::{Event, Reason};
+use crate::engine::py::unpack_tokens;
 use crate::engine::Engine;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -100,18 +101,7 @@ impl PyWireEncoder {
         keys: Vec<Bound<'_, PyBytes>>,
     ) -> PyResult<()> {
         let tokens: Vec<u64> = match tokens.cast::<PyBytes>() {
-            Ok(packed) => {
-                let raw = packed.as_bytes();
-                if raw.len() % 4 != 0 {
-                    return Err(PyValueError::new_err(format!(
-                        "name_chain: {} bytes of packed tokens (4 a token)",
-                        raw.len()
-                    )));
-                }
-                raw.chunks_exact(4)
-                    .map(|w| u64::from(u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
-                    .collect()
-            }
+            Ok(packed) => unpack_tokens("name_chain", packed.as_bytes())?,
             Err(_) => tokens.extract()?,
         };
         let bs = self.inner.block_size as usize;
