@@ -3,6 +3,7 @@ by how its sender batches saves (``save_coalesce_ms``), over the same-node path.
 
     python bench/vllm_stream.py [--lengths 1024 2048] [--runs 12] [--requests 8]
                                 [--coalesce 0 50] [--lookups-only] [--python-exchange]
+                                [--timeline]
                                 [--out bench/results/vllm_stream.json]
 
 ``bench/vllm_connector.py`` times one request at a time and flushes its saves after each, so
@@ -16,6 +17,11 @@ same engine, the order alternating. A run's time lasts until its saves are in th
 ``--python-exchange`` adds an engine whose same-node PUTs run PUT_SHM, the copy and COMMIT
 in Python, as without the compiled core (``kvpool_native.shm_put``): the two compared in
 the same run.
+``--timeline`` also times each engine's steps and saves (``run_vllm.py``'s ``timeline``)
+and says where the saves fall: a step from vLLM binding the connector's metadata to
+``wait_for_save`` returning (the forward pass and the step's copies out), the gap from it to
+the next step (vLLM's own work between steps, and the next request's arrival), and the
+share of the sender's time on saves that fell inside steps.
 
 Per engine and length: the median over runs of (run with the pool) / (run without) - 1; the
 same for the requests alone ("served only": until the last output, before the run's last
@@ -64,6 +70,11 @@ def main() -> None:
         help="also an engine whose same-node PUTs run their exchange in Python (not "
         "`kvpool_native.shm_put`), at the first --coalesce value",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also time the engines' steps and saves: where the saves fall between steps",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/vllm_stream.json")
     args = parser.parse_args()
     console = Console()
@@ -80,7 +91,11 @@ def main() -> None:
         agent, _url, _transfer = start_agent(tmp, 2 * saved_blocks, unix_socket)
         engines: list[Engine] = []
         try:
-            base = {"model": str(tmp / "model"), "max_model_len": max(args.lengths) + 64}
+            base = {
+                "model": str(tmp / "model"),
+                "max_model_len": max(args.lengths) + 64,
+                "timeline": args.timeline,
+            }
             # (name, connector settings, engine spec beside them)
             variants: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
                 (f"coalesce {ms:g} ms", {"save_coalesce_ms": ms}, {}) for ms in args.coalesce
@@ -194,7 +209,62 @@ def summarize(
                 "node_saved_blocks": saved["node_saved_blocks"],
             }
         )
+        if "timeline" in on[0]:
+            rows[-1]["timeline"] = timeline_summary(on, off)
     return rows
+
+
+def _spans(events: list[list[Any]], start: str, end: str) -> list[tuple[float, float]]:
+    """(start, end) of each ``start`` event and the ``end`` event after it."""
+    spans, opened = [], None
+    for tag, t in events:
+        if tag == start:
+            opened = t
+        elif tag == end and opened is not None:
+            spans.append((opened, t))
+            opened = None
+    return spans
+
+
+def timeline_summary(on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the saves of the runs with the pool fell, against the runs without: medians of
+    steps and of the gaps after them, of the saves (queued to sent, sending), and the share
+    of the saves' sending time that fell inside steps (the rest fell in the gaps). ``None``
+    where a run kind had none."""
+    steps_on, steps_off, gaps_on, gaps_off, waits, sends = [], [], [], [], [], []
+    saves_n, inside = 0, 0.0
+    for runs, steps, gaps in ((on, steps_on, gaps_on), (off, steps_off, gaps_off)):
+        for run in runs:
+            events = run["timeline"]
+            spans = _spans(events, "step", "step_end")
+            queued = [t for tag, t in events if tag == "queued"]
+            starts = [a for a, _ in spans]
+            steps += [b - a for a, b in spans]
+            for (a, end), nxt in zip(spans, starts[1:], strict=False):
+                # With the pool, only the gaps after a step that queued a save.
+                if runs is off or any(a <= q <= end for q in queued):
+                    gaps.append(nxt - end)
+            if runs is off:
+                continue
+            for q, (sent, done) in zip(queued, _spans(events, "save", "save_end"), strict=False):
+                saves_n += 1
+                waits.append(sent - q)
+                sends.append(done - sent)
+                inside += sum(max(0.0, min(done, b) - max(sent, a)) for a, b in spans)
+
+    def ms(values: list[float]) -> float | None:
+        return 1e3 * statistics.median(values) if values else None
+
+    return {
+        "step_ms": ms(steps_on),
+        "step_ms_without": ms(steps_off),
+        "gap_after_save_ms": ms(gaps_on),
+        "gap_ms_without": ms(gaps_off),
+        "save_wait_ms": ms(waits),
+        "save_ms": ms(sends),
+        "saves": saves_n,
+        "sending_in_steps": inside / sum(sends) if sends else None,
+    }
 
 
 def _per_request(key: str, runs: list[dict[str, Any]], requests: int) -> float:
@@ -236,6 +306,38 @@ def show(console: Console, rows: list[dict[str, Any]]) -> None:
             f"{row['engine_faults']:.0f}",
         )
     console.print(table)
+    timed = [row for row in rows if "timeline" in row]
+    if not timed:
+        return
+    table = Table(title="Where the saves fell (medians, ms): steps and the gaps between them")
+    for col in (
+        "engine",
+        "prompt",
+        "step (without)",
+        "gap after a saving step (without)",
+        "save: queued to sent",
+        "save: sending",
+        "sending inside steps",
+    ):
+        table.add_column(col, justify="right")
+    for row in timed:
+        t = row["timeline"]
+        table.add_row(
+            row["engine"],
+            str(row["tokens"]),
+            f"{_ms(t['step_ms'])} ({_ms(t['step_ms_without'])})",
+            f"{_ms(t['gap_after_save_ms'])} ({_ms(t['gap_ms_without'])})",
+            _ms(t["save_wait_ms"]),
+            _ms(t["save_ms"]),
+            "-"
+            if t["sending_in_steps"] is None
+            else f"{100 * t['sending_in_steps']:.0f}% ({t['saves']} saves)",
+        )
+    console.print(table)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

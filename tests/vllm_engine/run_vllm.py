@@ -116,10 +116,57 @@ def pool_metrics(metrics_url: str, names: list[str]) -> dict[str, float | None]:
     }
 
 
+TIMELINE: list[tuple[str, float]] = []
+"""With a spec's ``timeline`` (benchmarks): what the worker-side connector did, and when
+(``time.perf_counter``), in the order it happened; ``run_phase`` hands each phase its part."""
+
+
+def _record_timeline() -> None:
+    """Time the worker-side connector's steps and saves into ``TIMELINE`` (dev tooling: it
+    wraps the connector's methods, private ones included, in this process only):
+
+    - ``step`` / ``step_end``: ``bind_connector_metadata`` is called before a step's forward
+      pass, and ``wait_for_save`` returns after it (with the step's saves queued);
+    - ``queued``: a save was queued for the sender thread (``SaveQueue.put`` took it);
+    - ``save`` / ``save_end``: the sender thread sent one (``_send_save``)."""
+    from kvpool_agent.connectors.saves import SaveQueue
+    from kvpool_agent.connectors.vllm.connector import KvpoolConnector
+
+    def wrap(cls: Any, name: str, before: str | None, after: str | None) -> None:
+        inner = getattr(cls, name)
+
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                TIMELINE.append((before, time.perf_counter()))
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                if after is not None:
+                    TIMELINE.append((after, time.perf_counter()))
+
+        setattr(cls, name, timed)
+
+    wrap(KvpoolConnector, "bind_connector_metadata", "step", None)
+    wrap(KvpoolConnector, "wait_for_save", None, "step_end")
+    wrap(KvpoolConnector, "_send_save", "save", "save_end")
+    put = SaveQueue.put
+
+    def queued(self: Any, save: Any) -> bool:
+        at = time.perf_counter()
+        taken = put(self, save)
+        if taken:  # a save the full queue refused is never sent
+            TIMELINE.append(("queued", at))
+        return taken
+
+    SaveQueue.put = queued  # type: ignore[method-assign]
+
+
 def start_engine(spec: dict[str, Any]) -> Any:
     """An in-process ``LLM`` for ``spec`` (model, connector or None, max_model_len).
     ``python_exchange`` (benchmarks) has the connector's same-node PUTs run their exchange
-    in Python instead of ``kvpool_native.shm_put``, as without the compiled core."""
+    in Python instead of ``kvpool_native.shm_put``, as without the compiled core;
+    ``timeline`` (benchmarks) records the connector's steps and saves (``_record_timeline``)
+    into each phase's record."""
     sys.path.insert(0, str(HERE))
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -128,6 +175,8 @@ def start_engine(spec: dict[str, Any]) -> Any:
         from kvpool_agent.dataplane import shm
 
         shm._shm_put = None
+    if spec.get("timeline"):
+        _record_timeline()
 
     kwargs: dict[str, Any] = {}
     connector = spec.get("connector")
@@ -217,6 +266,7 @@ def run_phase(
         FaultyConnector.configure(fault, phase.get("fault_args", {}))
     prompts = [{"prompt_token_ids": ids} for ids in phase_prompts(phase, earlier)]
     cpu0, faults0 = process_cpu_s(), minor_faults()
+    mark = len(TIMELINE)
     t0 = time.monotonic()
     if phase.get("one_by_one"):  # a stream of requests, each after the one before
         outputs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
@@ -260,6 +310,8 @@ def run_phase(
         record["scheduler_stats"] = scheduler.stats.snapshot()
     if worker is not None:
         record["worker_stats"] = worker.stats.snapshot()
+    if spec.get("timeline"):
+        record["timeline"] = TIMELINE[mark:]
     return record
 
 

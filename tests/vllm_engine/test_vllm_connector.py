@@ -548,6 +548,7 @@ def test_a_request_turns_the_pool_off_for_itself(
             {
                 "model": str(model_dir),
                 "connector": connector(own),
+                "timeline": True,  # bench/vllm_stream.py --timeline's timing, checked below
                 "phases": [
                     {"name": name, "prompts": P, "reset": True, "kv_transfer_params": params}
                     for name, params in (
@@ -590,5 +591,13 @@ def test_a_request_turns_the_pool_off_for_itself(
         assert worker["load"]["loaded_blocks"] > 0
         for p in run["phases"]:
             assert same_outputs(p["outputs"], phase(baseline, "p")["outputs"]), p["name"]
+        # The runner's timeline (which changed none of the outputs above): every phase's
+        # steps, and saves queued and sent only where the pool stores.
+        tags = {p["name"]: [tag for tag, _ in p["timeline"]] for p in run["phases"]}
+        for name, seen in tags.items():
+            assert seen.count("step") >= seen.count("step_end") > 0, name
+        assert not {"queued", "save", "save_end"} & set(tags["private"] + tags["typo"])
+        stored = tags["stored"]
+        assert stored.count("queued") == stored.count("save") == stored.count("save_end") > 0
     finally:
         own.agent.stop()
