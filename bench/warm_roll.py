@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -63,9 +64,27 @@ TPB = 16
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now and below the kernel's ephemeral range: an agent keeps its port across
+    a restart, and a port from that range (what binding port 0 gives) may meanwhile become
+    the local end of some client's connection, which fails the restarted agent's bind."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free port on {host} below {low}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def shared_prefix_trace(
