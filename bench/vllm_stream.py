@@ -35,6 +35,7 @@ ratios, not the seconds.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -226,31 +227,41 @@ def _spans(events: list[list[Any]], start: str, end: str) -> list[tuple[float, f
     return spans
 
 
+def _steps(events: list[list[Any]], after_saves: bool) -> tuple[list[float], list[float]]:
+    """A run's step durations, and the gaps from a step to the next (``after_saves``: only
+    after a step that queued a save)."""
+    spans = _spans(events, "step", "step_end")
+    queued = [t for tag, t in events if tag == "queued"]
+    gaps = [
+        nxt - end
+        for (a, end), (nxt, _) in itertools.pairwise(spans)
+        if not after_saves or any(a <= q <= end for q in queued)
+    ]
+    return [b - a for a, b in spans], gaps
+
+
 def timeline_summary(on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
     """Where the saves of the runs with the pool fell, against the runs without: medians of
     steps and of the gaps after them, of the saves (queued to sent, sending), and the share
     of the saves' sending time that fell inside steps (the rest fell in the gaps). ``None``
     where a run kind had none."""
-    steps_on, steps_off, gaps_on, gaps_off, waits, sends = [], [], [], [], [], []
-    saves_n, inside = 0, 0.0
-    for runs, steps, gaps in ((on, steps_on, gaps_on), (off, steps_off, gaps_off)):
-        for run in runs:
-            events = run["timeline"]
-            spans = _spans(events, "step", "step_end")
-            queued = [t for tag, t in events if tag == "queued"]
-            starts = [a for a, _ in spans]
-            steps += [b - a for a, b in spans]
-            for (a, end), nxt in zip(spans, starts[1:], strict=False):
-                # With the pool, only the gaps after a step that queued a save.
-                if runs is off or any(a <= q <= end for q in queued):
-                    gaps.append(nxt - end)
-            if runs is off:
-                continue
-            for q, (sent, done) in zip(queued, _spans(events, "save", "save_end"), strict=False):
-                saves_n += 1
-                waits.append(sent - q)
-                sends.append(done - sent)
-                inside += sum(max(0.0, min(done, b) - max(sent, a)) for a, b in spans)
+    steps_on, gaps_on, steps_off, gaps_off, waits, sends = [], [], [], [], [], []
+    inside = 0.0
+    for run in off:
+        steps, gaps = _steps(run["timeline"], after_saves=False)
+        steps_off += steps
+        gaps_off += gaps
+    for run in on:
+        events = run["timeline"]
+        steps, gaps = _steps(events, after_saves=True)
+        steps_on += steps
+        gaps_on += gaps
+        spans = _spans(events, "step", "step_end")
+        queued = [t for tag, t in events if tag == "queued"]
+        for q, (sent, done) in zip(queued, _spans(events, "save", "save_end"), strict=False):
+            waits.append(sent - q)
+            sends.append(done - sent)
+            inside += sum(max(0.0, min(done, b) - max(sent, a)) for a, b in spans)
 
     def ms(values: list[float]) -> float | None:
         return 1e3 * statistics.median(values) if values else None
@@ -262,7 +273,7 @@ def timeline_summary(on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dic
         "gap_ms_without": ms(gaps_off),
         "save_wait_ms": ms(waits),
         "save_ms": ms(sends),
-        "saves": saves_n,
+        "saves": len(sends),
         "sending_in_steps": inside / sum(sends) if sends else None,
     }
 
