@@ -43,6 +43,7 @@ from kvpool_agent import config as config_module
 from kvpool_agent.cache.eviction import POLICIES
 from kvpool_agent.cache.eviction.guarded import GuardedPolicy
 from kvpool_agent.cache.eviction.mixture import MixturePolicy
+from kvpool_agent.cache.eviction.vote import VotePolicy
 from kvpool_agent.replay.optimal import next_uses, optimal_hits
 from kvpool_agent.replay.prefix import prefix_paths
 from kvpool_agent.replay.runner import replay
@@ -61,9 +62,10 @@ VARIANTS = {f"mixture(h={h:g},y={y:g})": (h, y) for h in (0.25, 1.0) for y in (0
 """The default's constants a leave-one-out round chooses among: (horizon, hysteresis)."""
 DEFAULT_VARIANT = f"mixture(h={GuardedPolicy.horizon:g},y={GuardedPolicy.hysteresis:g})"
 """The variant whose constants are the default's (its rows are the default's figures)."""
-EXTRA_SERIES: dict[str, type[MixturePolicy]] = {"mixture-v1": MixturePolicy}
+EXTRA_SERIES: dict[str, type[MixturePolicy]] = {"mixture-v1": MixturePolicy, "vote": VotePolicy}
 """Series a sweep may name beside the registry: ``mixture-v1`` is the default before
-``guarded.py`` (reuse-gap, LRFU, ARC; no LRU expert, no hysteresis)."""
+``guarded.py`` (reuse-gap, LRFU, ARC; no LRU expert, no hysteresis); ``vote`` is the
+candidate of ``vote.py`` (the default's experts voting, no leader; Python core only)."""
 FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 BEST_KNOWN = {  # shared/traces/README.md, second table (best of ~60 online configurations)
     "synthetic": (4.9, 17.2, 28.3, 46.9),

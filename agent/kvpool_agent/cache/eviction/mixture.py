@@ -123,6 +123,15 @@ class MixturePolicy(SharedPolicy):
     def leader_holds(self, key: int) -> bool:
         return key in self.shadows[self.leader]
 
+    def bucket(self, key: int) -> int:
+        """The heap a queued block under ``key`` belongs in: 1 if the leader holds the key,
+        else 0."""
+        return 1 if key in self.shadows[self.leader] else 0
+
+    def eviction_order(self) -> Sequence[int]:
+        """The buckets, emptied first to last: what the leader lacks goes first."""
+        return _LACKS_FIRST
+
     def track(self, key: int, queue: MixQueue, block: Evictable) -> None:
         """``block`` (stored under ``key``) was queued in ``queue``."""
         self._where[key] = (queue, block)
@@ -134,7 +143,8 @@ class MixturePolicy(SharedPolicy):
             del self._where[key]
 
     def flush(self) -> None:
-        """Re-bucket the queued blocks whose key entered or left the leader's cache."""
+        """Re-bucket the queued blocks whose key entered or left the leader's cache (a
+        subclass may watch more shadows: ``vote.py``)."""
         where = self._where
         for key in self._dirty:
             found = where.get(key)
@@ -144,38 +154,43 @@ class MixturePolicy(SharedPolicy):
 
 
 class MixQueue(LevelQueue):
-    """One priority level's blocks in two LRU heaps: those the leader lacks, evicted
-    first, and those it holds."""
+    """One priority level's blocks in LRU heaps, one per bucket the policy names
+    (``bucket``), emptied in the policy's order (``eviction_order``). For the mixture: those
+    the leader lacks, evicted first, and those it holds."""
 
     __slots__ = ("_entries", "_heaps", "_order", "_policy")
 
     def __init__(self, policy: MixturePolicy) -> None:
         self._policy = policy
-        self._heaps: tuple[list[tuple[int, int, Evictable]], ...] = ([], [])
-        """Entries ``(last_used, sequence, block)``: the leader lacks / holds the block. A
-        block moves between the two without a new ``queue_stamp``, so an entry is current
-        while its sequence number is the one ``_entries`` records for the block."""
+        self._heaps: dict[int, list[tuple[int, int, Evictable]]] = {}
+        """Bucket -> entries ``(last_used, sequence, block)``. A block moves between
+        buckets without a new ``queue_stamp``, so an entry is current while its sequence
+        number is the one ``_entries`` records for the block."""
         self._entries: dict[Evictable, tuple[int, int, int]] = {}
-        """Queued block -> (its key, the sequence number of its current heap entry, heap)."""
+        """Queued block -> (its key, the sequence number of its current entry, its bucket)."""
         self._order = itertools.count()
 
     def push(self, block: Evictable) -> None:
         key: int = tree_node(block).key
-        self._place(block, key)
+        self._place(block, key, self._policy.bucket(key))
         self._policy.track(key, self, block)
 
-    def _place(self, block: Evictable, key: int) -> None:
-        heap = 1 if self._policy.leader_holds(key) else 0
+    def _place(self, block: Evictable, key: int, bucket: int) -> None:
         seq = next(self._order)
-        heapq.heappush(self._heaps[heap], (block.last_used, seq, block))
-        self._entries[block] = (key, seq, heap)
+        heap = self._heaps.get(bucket)
+        if heap is None:
+            heap = self._heaps[bucket] = []
+        heapq.heappush(heap, (block.last_used, seq, block))
+        self._entries[block] = (key, seq, bucket)
 
     def rebucket(self, block: Evictable, key: int) -> None:
-        """Move ``block`` to the heap the leader's cache now says."""
+        """Move ``block`` to the bucket the policy now says."""
         entry = self._entries.get(block)
-        if entry is not None and entry[2] != (1 if self._policy.leader_holds(key) else 0):
-            self._place(block, key)
-            self._compact()
+        if entry is not None:
+            bucket = self._policy.bucket(key)
+            if bucket != entry[2]:
+                self._place(block, key, bucket)
+                self._compact()
 
     def discard(self, block: Evictable) -> None:
         entry = self._entries.pop(block, None)
@@ -186,7 +201,9 @@ class MixQueue(LevelQueue):
     def pop(self) -> Evictable | None:
         self._policy.flush()
         entries = self._entries
-        for heap in self._heaps:
+        heaps = self._heaps
+        for bucket in self._policy.eviction_order():
+            heap = heaps.get(bucket)
             while heap:
                 _, seq, block = heapq.heappop(heap)
                 entry = entries.get(block)
@@ -202,9 +219,10 @@ class MixQueue(LevelQueue):
     def _compact(self) -> None:
         entries = self._entries
         live = len(entries)
-        for heap in self._heaps:
+        for heap in self._heaps.values():
             compact(heap, live, lambda e: (entries.get(e[2]) or _GONE)[1] == e[1])
 
 
 _GONE = (0, -1, 0)
 """Stands in for the record of a block no longer queued (no sequence number is -1)."""
+_LACKS_FIRST = (0, 1)

@@ -1,0 +1,86 @@
+"""A candidate successor to the default: the guarded mixture's experts, voting instead of
+following one leader. Not a config name yet; ``bench/replay_sweep.py`` runs it as the
+``vote`` series (Python core only).
+
+The default (``guarded.py``) evicts first what its one leading expert does not hold. Every
+change of leader then costs the real cache up to one capacity of misses while it converges
+on the new leader's contents, which is why it needs hysteresis, and why a switch that noise
+caused (``agentic`` at 5%) puts it below plain LRU.
+
+Here every expert keeps a say, in proportion to a weight that grows exponentially with its
+decayed hit score (the multiplicative-weights rule: ``exp(eta * (score - best) / (horizon *
+capacity))``, so an expert ``horizon`` capacities of disagreement behind the best weighs
+``exp(-eta)`` of it). A block's worth is the summed weight of the experts whose shadow holds
+it; the real cache evicts an evictable block of least worth, least recently used first
+among equals. A block every expert holds goes last, one none holds goes first, and a shift
+of the weights moves only the blocks the experts disagree on, and only as far as the
+weights say. LRU is the first expert, and its score counts ``1 + prior`` times in the
+weights: where the experts are close it keeps the most say.
+
+No bound is stated: unlike the follower rule, the real cache need not converge on any one
+expert, so the argument of ``guarded.py`` does not carry over. ``tests/replay/test_vote.py``
+checks the eviction order and the default's margin against LRU on the adversarial traces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvpool_agent.cache.eviction.guarded import GUARDED_EXPERTS, GuardedPolicy
+from kvpool_agent.cache.eviction.mixture import ExpertFactory
+
+
+class VotePolicy(GuardedPolicy):
+    """The guarded mixture's shadows and scores; the real cache's blocks bucketed by the
+    experts that hold them (``MixQueue``), buckets emptied least worth first."""
+
+    eta = 4.0
+    """How sharply the weights follow the scores (0: every expert weighs the same). Chosen
+    by leave-one-out (the generated traces and ``gsp_default``) among 1, 2, 4, 8 and 16,
+    with ``prior`` 0, 0.01, 0.02 and 0.05 and ``horizon`` 0.5, 1 and 2 (not every
+    combination): six of seven rounds chose (4, 0, horizon 1)."""
+    prior = 0.0
+    """LRU's score counts ``1 + prior`` times in the weights: a head start for LRU."""
+
+    def __init__(
+        self, capacity: int, experts: Sequence[tuple[str, ExpertFactory]] = GUARDED_EXPERTS
+    ) -> None:
+        super().__init__(capacity, experts)
+        for shadow in self.shadows:  # every expert's cache matters, not only a leader's
+            shadow.on_change = self._dirty.add
+        self._ranking: list[int] | None = None
+
+    def observe(self, keys: Sequence[int], *, scored: bool = True) -> None:
+        super().observe(keys, scored=scored)
+        self._ranking = None
+
+    def takes_lead(self, challenger: float, leader: float) -> bool:
+        return False  # no one leads: the weights decide (``eviction_order``)
+
+    def bucket(self, key: int) -> int:
+        """The experts whose shadow holds ``key``, as a bit mask (bit i: expert i)."""
+        mask = 0
+        for index, shadow in enumerate(self.shadows):
+            if key in shadow:
+                mask |= 1 << index
+        return mask
+
+    def weights(self) -> list[float]:
+        scores = list(self.scores)
+        scores[0] *= 1.0 + self.prior
+        best = max(scores)
+        sharpness = self.eta / max(1.0, self.horizon * self.capacity)
+        return [math.exp(sharpness * (s - best)) for s in scores]
+
+    def eviction_order(self) -> list[int]:
+        """Every holder mask, least worth first (ties: without LRU first, then by mask)."""
+        if self._ranking is None:
+            weights = self.weights()
+            bits = range(len(weights))
+
+            def worth(mask: int) -> tuple[float, int, int]:
+                return (sum(weights[i] for i in bits if mask >> i & 1), mask & 1, mask)
+
+            self._ranking = sorted(range(1 << len(weights)), key=worth)
+        return self._ranking
