@@ -19,10 +19,10 @@ when ``../shared/traces`` is absent) and the generated ones committed in ``bench
 For a generated trace the "best known online" figure of a cell is the best online series
 measured in the same run (every registered policy and every ``--leave-one-out`` variant).
 
-``--leave-one-out`` also replays every variant of the default's constants (``VARIANTS``) and,
-for each trace in turn, chooses the variant whose worst cell on the *other* traces is best
-(hit rate over the best known, and over LRU), then reports that variant's cells on the trace
-left out, and the worst of them:
+``--leave-one-out`` also replays every variant of the default's constants and of the ``vote``
+candidate's (``VARIANTS``) and, for each trace in turn, chooses the variant whose worst cell
+on the *other* traces is best (hit rate over the best known, and over LRU), then reports that
+variant's cells on the trace left out, and the worst of them:
 
     python bench/replay_sweep.py --traces agentic,tenants,rag,shift,phases,scan,gsp_default \
         --policies lru,reuse-gap,mixture-v1 --leave-one-out
@@ -58,14 +58,22 @@ TRACES = {
 }
 GENERATED_DIR = Path(__file__).resolve().parent / "traces"
 GENERATED = ("agentic", "tenants", "rag", "shift", "phases", "scan")
-VARIANTS = {f"mixture(h={h:g},y={y:g})": (h, y) for h in (0.25, 1.0) for y in (0.0, 0.02, 0.05)}
-"""The default's constants a leave-one-out round chooses among: (horizon, hysteresis)."""
+VARIANTS: dict[str, tuple[type[MixturePolicy], dict[str, float]]] = {
+    **{
+        f"mixture(h={h:g},y={y:g})": (GuardedPolicy, {"horizon": h, "hysteresis": y})
+        for h in (0.25, 1.0)
+        for y in (0.0, 0.02, 0.05)
+    },
+    **{f"vote(eta={e:g})": (VotePolicy, {"eta": e}) for e in (2.0, 4.0, 8.0)},
+}
+"""What a leave-one-out round chooses among: the default's constants (horizon,
+hysteresis), and the candidate of ``vote.py`` with its weights' sharpness ``eta``."""
 DEFAULT_VARIANT = f"mixture(h={GuardedPolicy.horizon:g},y={GuardedPolicy.hysteresis:g})"
 """The variant whose constants are the default's (its rows are the default's figures)."""
 EXTRA_SERIES: dict[str, type[MixturePolicy]] = {"mixture-v1": MixturePolicy, "vote": VotePolicy}
 """Series a sweep may name beside the registry: ``mixture-v1`` is the default before
 ``guarded.py`` (reuse-gap, LRFU, ARC; no LRU expert, no hysteresis); ``vote`` is the
-candidate of ``vote.py`` (the default's experts voting, no leader; Python core only)."""
+candidate of ``vote.py`` (the default's experts voting, no leader). Both have compiled twins."""
 FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 BEST_KNOWN = {  # shared/traces/README.md, second table (best of ~60 online configurations)
     "synthetic": (4.9, 17.2, 28.3, 46.9),
@@ -116,13 +124,8 @@ def _register(extra: dict[str, type[MixturePolicy]]) -> None:
 
 
 def _register_variants() -> list[str]:
-    """Register each (horizon, hysteresis) variant of the default as an engine policy."""
-    _register(
-        {
-            name: type(name, (GuardedPolicy,), {"horizon": h, "hysteresis": y})
-            for name, (h, y) in VARIANTS.items()
-        }
-    )
+    """Register each variant (``VARIANTS``) as an engine policy (they run on the Python core)."""
+    _register({name: type(name, (base,), attrs) for name, (base, attrs) in VARIANTS.items()})
     return list(VARIANTS)
 
 
@@ -250,7 +253,7 @@ def _worst(cells: Cells, series: str, traces: list[str]) -> tuple[float, str]:
 
 def _leave_one_out(cells: Cells, traces: list[str]) -> None:
     table = Table(title="leave one out: constants chosen on the other traces, judged on this one")
-    for column in ("held out", "chosen (horizon, hysteresis)", "fit on others", "held-out worst"):
+    for column in ("held out", "chosen", "fit on others", "held-out worst"):
         table.add_column(column)
     overall = (float("inf"), "-")
     for held in traces:

@@ -20,7 +20,7 @@ from .twins import bits, eviction_queue
 
 kvpool_native = pytest.importorskip("kvpool_native")
 
-POLICIES = ("lru", "reuse-gap", "mixture", "mixture-v1")
+POLICIES = ("lru", "reuse-gap", "mixture", "mixture-v1", "vote")
 OPS = (
     "node",
     "node",
@@ -277,7 +277,7 @@ def test_seeded_scripts_evict_the_same_blocks(policy: str) -> None:
         assert switches > 0  # leader changes re-bucketed queued blocks
 
 
-@pytest.mark.parametrize("policy", ["mixture", "mixture-v1"])
+@pytest.mark.parametrize("policy", ["mixture", "mixture-v1", "vote"])
 def test_seeded_scripts_with_recency_ties_evict_the_same_blocks(policy: str) -> None:
     """Among them, changes of leader that move tied blocks: re-bucketed in the order of the
     mixture's queued keys (a dict), and tied blocks that enter the leader's shadow together
@@ -287,7 +287,7 @@ def test_seeded_scripts_with_recency_ties_evict_the_same_blocks(policy: str) -> 
             run(policy, 100 + seed, 1500, capacity, history_floor=None, ties=True)
 
 
-@pytest.mark.parametrize("variant", ["mixture", "mixture-v1"])
+@pytest.mark.parametrize("variant", ["mixture", "mixture-v1", "vote"])
 def test_blocks_tied_in_recency_follow_the_dirty_sets_order(variant: str) -> None:
     """Eight queued blocks at one tick enter the leader's shadow in one request: they are
     re-bucketed, and then evicted, in the order of the Python set of their keys."""
@@ -331,7 +331,7 @@ def test_generated_scripts_evict_the_same_blocks(
 
 
 @pytest.mark.parametrize("experts", [["lru"], ["arc", "lrfu"], ["reuse-gap", "lru", "arc"]])
-@pytest.mark.parametrize("variant", ["mixture", "mixture-v1"])
+@pytest.mark.parametrize("variant", ["mixture", "mixture-v1", "vote"])
 def test_a_mixture_of_other_experts_evicts_the_same_blocks(
     variant: str, experts: list[str]
 ) -> None:

@@ -16,6 +16,7 @@ from kvpool_agent.cache.eviction.mixture import ExpertFactory, MixturePolicy
 from kvpool_agent.cache.eviction.queue import EvictionQueue
 from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
 from kvpool_agent.cache.eviction.shadow import ShadowCache
+from kvpool_agent.cache.eviction.vote import VotePolicy
 from kvpool_agent.replay.runner import block_tokens
 from kvpool_agent.traces import Trace, load_trace
 
@@ -62,10 +63,11 @@ def mixture(
     experts: Sequence[str] | None = None,
     history_floor: int | None = None,
 ) -> MixturePolicy:
-    """``GuardedPolicy`` ("mixture") or the base ``MixturePolicy`` ("mixture-v1")."""
-    names = experts or (GUARDED if variant == "mixture" else V1)
+    """``GuardedPolicy`` ("mixture"), the base ``MixturePolicy`` ("mixture-v1") or
+    ``VotePolicy`` ("vote")."""
+    names = experts or (V1 if variant == "mixture-v1" else GUARDED)
     factories = [(n, expert_factory(n, history_floor)) for n in names]
-    cls = GuardedPolicy if variant == "mixture" else MixturePolicy
+    cls = {"mixture": GuardedPolicy, "mixture-v1": MixturePolicy, "vote": VotePolicy}[variant]
     return cls(capacity, factories)
 
 
@@ -76,7 +78,7 @@ def eviction_queue(
     history_floor: int | None = None,
 ) -> EvictionQueue:
     """``new_eviction_queue(policy, capacity)``, with the same options as the twin."""
-    if policy in ("mixture", "mixture-v1"):
+    if policy in ("mixture", "mixture-v1", "vote"):
         shared = mixture(policy, capacity, experts, history_floor)
         return EvictionQueue(shared.new_level, shared)
     if policy == "lru":

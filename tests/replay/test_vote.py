@@ -1,6 +1,6 @@
 """The voting mixture (``vote.py``): a candidate default, run by ``bench/replay_sweep.py`` as
-the ``vote`` series and not a config name. It has no compiled twin yet, so these tests run on
-the Python core only."""
+the ``vote`` series and not a config name. These tests look at the Python policy; its compiled
+twin is held to the same victims in ``tests/native``."""
 
 from __future__ import annotations
 

@@ -22,5 +22,6 @@ POLICIES: dict[str, Policy] = {
 ``mixture`` (the default) is ``GuardedPolicy`` (``guarded.py``): the mixture of
 ``mixture.py`` with plain LRU among its experts and a selector with hysteresis. The
 original ``MixturePolicy`` (reuse-gap, LRFU, ARC; no LRU, no hysteresis) is kept as the
-base class and as ``bench/replay_sweep.py``'s ``mixture-v1`` series, not as a config name.
+base class and as ``bench/replay_sweep.py``'s ``mixture-v1`` series, not as a config name;
+so is the candidate ``VotePolicy`` (``vote.py``), the ``vote`` series.
 """

@@ -1,6 +1,7 @@
 """A candidate successor to the default: the guarded mixture's experts, voting instead of
 following one leader. Not a config name yet; ``bench/replay_sweep.py`` runs it as the
-``vote`` series (Python core only).
+``vote`` series, compiled (``agent/native/src/eviction/vote.rs``, the same victims bit for
+bit: ``tests/native``) or in Python.
 
 The default (``guarded.py``) evicts first what its one leading expert does not hold. Every
 change of leader then costs the real cache up to one capacity of misses while it converges

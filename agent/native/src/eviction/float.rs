@@ -15,6 +15,12 @@ pub fn pow(base: f64, exp: f64) -> f64 {
     black_box(base).powf(black_box(exp))
 }
 
+/// `math.exp(x)` for a finite float (C `exp`).
+#[inline]
+pub fn exp(x: f64) -> f64 {
+    black_box(x).exp()
+}
+
 /// `math.log2(x)` for a positive finite float.
 #[inline]
 pub fn log2(x: f64) -> f64 {

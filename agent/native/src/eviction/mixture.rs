@@ -5,6 +5,10 @@
 //! disagreement). The real cache evicts first the evictable leaves the leader does not hold
 //! (LRU among them), then the rest: per priority level a [`MixQueue`] of two heaps.
 //!
+//! With a [`Vote`] (`vote.py`) no expert leads: a queued block's bucket is the set of experts
+//! whose shadow holds its key, and the buckets are emptied in the order of their summed
+//! weights.
+//!
 //! In Python each `MixQueue` refers back to its policy, and the policy re-buckets blocks of
 //! every level; here the policy owns its level queues (`levels`), and `queue.rs` asks it
 //! per level. The set of keys whose membership in the leader changed (`dirty`) iterates in
@@ -13,7 +17,7 @@
 use rustc_hash::FxHashMap;
 
 use super::expert::{Expert, ExpertKind, Tuning};
-use super::float::pow;
+use super::float::{exp, pow, py_max};
 use super::heap::{compact, heap_pop, heap_push, Entry};
 use super::keyed::map_bytes;
 use super::pyset::PySet;
@@ -42,7 +46,7 @@ impl Entry for MixEntry {
     }
 }
 
-/// A queued block's key, the sequence number of its current entry, and its heap.
+/// A queued block's key, the sequence number of its current entry, and its bucket.
 #[derive(Debug, Clone, Copy)]
 struct MixRec {
     key: i64,
@@ -50,19 +54,27 @@ struct MixRec {
     heap: u8,
 }
 
-/// One priority level's blocks in two LRU heaps: those the leader lacks (evicted first) and
-/// those it holds. A block moves between them without a new `queue_stamp`, so an entry is
-/// current while its sequence number is the one `entries` records for the block.
-#[derive(Debug, Clone, Default)]
+/// One priority level's blocks in LRU heaps, one per bucket: for the follower rule those the
+/// leader lacks (0, evicted first) and those it holds (1); for a vote, one per holder mask.
+/// A block moves between them without a new `queue_stamp`, so an entry is current while its
+/// sequence number is the one `entries` records for the block.
+#[derive(Debug, Clone)]
 pub struct MixQueue {
-    heaps: [Vec<MixEntry>; 2],
+    heaps: Vec<Vec<MixEntry>>,
     entries: FxHashMap<Item, MixRec>,
     order: u64,
 }
 
 impl MixQueue {
-    fn place<R: Records + ?Sized>(&mut self, item: Item, key: i64, holds: bool, recs: &R) {
-        let heap = holds as u8;
+    fn new(buckets: usize) -> Self {
+        MixQueue {
+            heaps: vec![Vec::new(); buckets],
+            entries: FxHashMap::default(),
+            order: 0,
+        }
+    }
+
+    fn place<R: Records + ?Sized>(&mut self, item: Item, key: i64, heap: u8, recs: &R) {
         let seq = self.order;
         self.order += 1;
         heap_push(
@@ -76,11 +88,11 @@ impl MixQueue {
         self.entries.insert(item, MixRec { key, seq, heap });
     }
 
-    /// Move `item` to the heap the leader's cache now says.
-    fn rebucket<R: Records + ?Sized>(&mut self, item: Item, key: i64, holds: bool, recs: &R) {
+    /// Move `item` to the bucket the policy now says.
+    fn rebucket<R: Records + ?Sized>(&mut self, item: Item, key: i64, heap: u8, recs: &R) {
         if let Some(rec) = self.entries.get(&item) {
-            if rec.heap != holds as u8 {
-                self.place(item, key, holds, recs);
+            if rec.heap != heap {
+                self.place(item, key, heap, recs);
                 self.compact();
             }
         }
@@ -105,12 +117,34 @@ impl MixQueue {
     }
 
     fn memory_bytes(&self) -> usize {
-        (self.heaps[0].capacity() + self.heaps[1].capacity()) * std::mem::size_of::<MixEntry>()
+        self.heaps.iter().map(Vec::capacity).sum::<usize>() * std::mem::size_of::<MixEntry>()
+            + self.heaps.capacity() * std::mem::size_of::<Vec<MixEntry>>()
             + map_bytes(&self.entries)
     }
 }
 
-/// Shadow experts, their scores, and the level queues that follow the leader.
+/// `VotePolicy`'s constants (`vote.py`): the weights' sharpness and LRU's head start, and
+/// the buckets' eviction order while the scores stay as they are.
+#[derive(Debug, Clone)]
+pub struct Vote {
+    pub eta: f64,
+    pub prior: f64,
+    horizon: f64,
+    ranking: Option<Vec<u8>>,
+}
+
+impl Vote {
+    pub fn new(eta: f64, prior: f64, horizon: f64) -> Self {
+        Vote {
+            eta,
+            prior,
+            horizon,
+            ranking: None,
+        }
+    }
+}
+
+/// Shadow experts, their scores, and the level queues that follow the leader (or the vote).
 #[derive(Debug, Clone)]
 pub struct MixturePolicy {
     capacity: usize,
@@ -128,6 +162,8 @@ pub struct MixturePolicy {
     /// Key of every queued block -> its level and the block.
     where_: RingMap<Plain<(u8, Item)>>,
     levels: Vec<Option<MixQueue>>,
+    /// Some: no leader; the experts vote (`VotePolicy`).
+    vote: Option<Vote>,
 }
 
 impl MixturePolicy {
@@ -168,7 +204,24 @@ impl MixturePolicy {
             dirty: PySet::default(),
             where_: RingMap::default(),
             levels: vec![None; MAX_PRIORITY as usize + 1],
+            vote: None,
         })
+    }
+
+    /// `VotePolicy`: these experts voting with the weights' constants of `vote` (whose
+    /// horizon is the scores' half-life too). At most 8 experts (a holder mask is a byte).
+    pub fn voting(
+        capacity: usize,
+        experts: &[ExpertKind],
+        vote: Vote,
+        tuning: Tuning,
+    ) -> Result<Self, String> {
+        if experts.len() > 8 {
+            return Err("a vote takes at most 8 experts".into());
+        }
+        let mut policy = Self::with_experts(capacity, experts, vote.horizon, None, tuning)?;
+        policy.vote = Some(vote);
+        Ok(policy)
     }
 
     pub fn capacity(&self) -> usize {
@@ -201,9 +254,77 @@ impl MixturePolicy {
         self.shadows[self.leader].contains(key)
     }
 
+    /// `MixturePolicy.bucket`: whether the leader holds `key`, or under a vote the mask of
+    /// the experts whose shadow holds it.
+    #[inline]
+    pub fn bucket(&self, key: i64) -> u8 {
+        bucket_of(&self.shadows, self.leader, self.vote.is_some(), key)
+    }
+
+    fn buckets(&self) -> usize {
+        if self.vote.is_some() {
+            1 << self.shadows.len()
+        } else {
+            2
+        }
+    }
+
+    /// `VotePolicy.weights`.
+    pub fn weights(&self) -> Vec<f64> {
+        let vote = self.vote.as_ref().expect("weights are a vote's");
+        let mut scores = self.scores.clone();
+        scores[0] *= 1.0 + vote.prior;
+        let mut best = scores[0];
+        for &s in &scores[1..] {
+            best = py_max(best, s);
+        }
+        let sharpness = vote.eta / py_max(1.0, vote.horizon * self.capacity as f64);
+        scores
+            .iter()
+            .map(|&s| exp(sharpness * (s - best)))
+            .collect()
+    }
+
+    /// `MixturePolicy.eviction_order`: the buckets, emptied first to last.
+    pub fn eviction_order(&mut self) -> Vec<u8> {
+        if self.vote.is_none() {
+            return vec![0, 1];
+        }
+        if let Some(ranking) = self.vote.as_ref().and_then(|v| v.ranking.clone()) {
+            return ranking;
+        }
+        let weights = self.weights();
+        let worth: Vec<f64> = (0..1usize << weights.len())
+            .map(|mask| {
+                let mut sum = 0.0;
+                for (index, w) in weights.iter().enumerate() {
+                    if mask >> index & 1 == 1 {
+                        sum += w;
+                    }
+                }
+                sum
+            })
+            .collect();
+        let mut ranking: Vec<u8> = (0..worth.len()).map(|m| m as u8).collect();
+        ranking.sort_by(|&a, &b| {
+            worth[a as usize]
+                .partial_cmp(&worth[b as usize])
+                .expect("weights are finite")
+                .then((a & 1).cmp(&(b & 1)))
+                .then(a.cmp(&b))
+        });
+        if let Some(vote) = self.vote.as_mut() {
+            vote.ranking = Some(ranking.clone());
+        }
+        ranking
+    }
+
     /// A request for the blocks `keys` (`SharedPolicy.observe`); `scored` is false when a
     /// sequence only grew. `recs` is read when a change of leader re-buckets queued blocks.
     pub fn observe<R: Records + ?Sized>(&mut self, keys: &[i64], scored: bool, recs: &mut R) {
+        if let Some(vote) = self.vote.as_mut() {
+            vote.ranking = None;
+        }
         if keys.is_empty() {
             return;
         }
@@ -214,14 +335,15 @@ impl MixturePolicy {
             let leader = &self.shadows[self.leader];
             for (key, (level, item)) in self.where_.iter() {
                 if let Some(queue) = self.levels[level as usize].as_mut() {
-                    queue.rebucket(item, key, leader.contains(key), recs);
+                    queue.rebucket(item, key, leader.contains(key) as u8, recs);
                 }
             }
         }
         let leader = self.leader;
+        let every = self.vote.is_some(); // a vote watches every expert's cache
         let dirty = &mut self.dirty;
         for (index, shadow) in self.shadows.iter_mut().enumerate() {
-            self.hits[index] = if index == leader {
+            self.hits[index] = if every || index == leader {
                 shadow.step_with(keys, |key| dirty.add(key))
             } else {
                 shadow.step(keys)
@@ -242,7 +364,7 @@ impl MixturePolicy {
                 best = index; // the first maximum wins, as Python's max
             }
         }
-        if self.takes_lead(self.scores[best], self.scores[self.leader]) {
+        if self.vote.is_none() && self.takes_lead(self.scores[best], self.scores[self.leader]) {
             self.next_leader = best;
         }
     }
@@ -259,10 +381,11 @@ impl MixturePolicy {
     /// `MixQueue.push` at `level`.
     pub fn push<R: Records + ?Sized>(&mut self, level: usize, item: Item, recs: &mut R) {
         let key = recs.key(recs.node(item));
-        let holds = self.leader_holds(key);
+        let bucket = self.bucket(key);
+        let buckets = self.buckets();
         self.levels[level]
-            .get_or_insert_with(MixQueue::default)
-            .place(item, key, holds, recs);
+            .get_or_insert_with(|| MixQueue::new(buckets))
+            .place(item, key, bucket, recs);
         self.where_.insert(key, (level as u8, item));
     }
 
@@ -277,11 +400,15 @@ impl MixturePolicy {
         queue.compact();
     }
 
-    /// `MixQueue.pop` at `level`: first the blocks the leader lacks, least recent first.
+    /// `MixQueue.pop` at `level`: first the blocks the leader lacks (under a vote, those of
+    /// least worth), least recent first.
     pub fn pop<R: Records + ?Sized>(&mut self, level: usize, recs: &mut R) -> Option<Item> {
         self.flush(recs);
+        self.levels[level].as_ref()?;
+        let order = self.eviction_order();
         let queue = self.levels[level].as_mut()?;
-        for heap in queue.heaps.iter_mut() {
+        for bucket in order {
+            let heap = &mut queue.heaps[bucket as usize];
             while let Some(entry) = heap_pop(heap) {
                 let Some(rec) = queue.entries.get(&entry.item) else {
                     continue;
@@ -302,16 +429,18 @@ impl MixturePolicy {
         self.levels[level].as_ref().map_or(0, MixQueue::len)
     }
 
-    /// Re-bucket the queued blocks whose key entered or left the leader's cache.
+    /// Re-bucket the queued blocks whose key entered or left the leader's cache (under a
+    /// vote, any expert's).
     fn flush<R: Records + ?Sized>(&mut self, recs: &R) {
         if self.dirty.is_empty() {
             return;
         }
-        let leader = &self.shadows[self.leader];
+        let voting = self.vote.is_some();
         for key in self.dirty.iter() {
             if let Some((level, item)) = self.where_.get(key) {
+                let bucket = bucket_of(&self.shadows, self.leader, voting, key);
                 if let Some(queue) = self.levels[level as usize].as_mut() {
-                    queue.rebucket(item, key, leader.contains(key), recs);
+                    queue.rebucket(item, key, bucket, recs);
                 }
             }
         }
@@ -355,6 +484,21 @@ impl MixturePolicy {
         ));
         parts
     }
+}
+
+/// `MixturePolicy.bucket` of `key` (`voting`: `VotePolicy.bucket`).
+#[inline]
+fn bucket_of(shadows: &[ShadowCache<Expert>], leader: usize, voting: bool, key: i64) -> u8 {
+    if !voting {
+        return shadows[leader].contains(key) as u8;
+    }
+    let mut mask = 0u8;
+    for (index, shadow) in shadows.iter().enumerate() {
+        if shadow.contains(key) {
+            mask |= 1 << index;
+        }
+    }
+    mask
 }
 
 /// `MixturePolicy.untrack`: `item` left its queue (a newer block under the same key may

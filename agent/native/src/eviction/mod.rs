@@ -52,6 +52,7 @@ pub mod reuse_gap;
 pub mod ring;
 pub mod shadow;
 pub mod toy;
+pub mod vote;
 
 #[cfg(feature = "python")]
 pub mod py;

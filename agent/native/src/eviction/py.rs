@@ -26,6 +26,7 @@ use super::pyset::PySet;
 use super::queue::{EvictionQueue, MiniCache};
 use super::shadow::{ShadowCache, ShadowNodes};
 use super::toy::ToyStore;
+use super::vote::vote_with;
 use super::{Item, Node, Records, DEFAULT_PRIORITY, MAX_PRIORITY};
 
 fn value_error(message: String) -> PyErr {
@@ -39,7 +40,7 @@ fn tuning(history_floor: Option<usize>) -> Tuning {
     }
 }
 
-/// A mixture by variant name ("mixture": guarded, "mixture-v1": the original), with the
+/// A mixture by variant name ("mixture": guarded, "mixture-v1": the original, "vote"), with the
 /// variant's experts unless `experts` names others.
 fn new_mixture(
     capacity: usize,
@@ -71,8 +72,13 @@ fn new_mixture(
             None,
             tuning,
         ),
+        "vote" => vote_with(
+            capacity,
+            kinds.as_deref().unwrap_or(&GUARDED_EXPERTS),
+            tuning,
+        ),
         _ => Err(format!(
-            "unknown mixture variant {variant:?}; one of mixture, mixture-v1"
+            "unknown mixture variant {variant:?}; one of mixture, mixture-v1, vote"
         )),
     }
     .map_err(value_error)

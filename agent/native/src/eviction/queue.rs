@@ -94,6 +94,11 @@ impl EvictionQueue {
                 None,
                 tuning,
             )?)),
+            PolicyKind::Vote => Levels::Mixture(Box::new(super::vote::vote_with(
+                capacity,
+                &super::guarded::GUARDED_EXPERTS,
+                tuning,
+            )?)),
         };
         Ok(Self::over(levels))
     }
