@@ -15,12 +15,13 @@ capacity))``, so an expert ``horizon`` capacities of disagreement behind the bes
 it; the real cache evicts an evictable block of least worth, least recently used first
 among equals. A block every expert holds goes last, one none holds goes first, and a shift
 of the weights moves only the blocks the experts disagree on, and only as far as the
-weights say. LRU is the first expert, and its score counts ``1 + prior`` times in the
-weights: where the experts are close it keeps the most say.
+weights say. LRU is the first expert, and ``prior`` can give its score a head start in the
+weights (none by default).
 
 No bound is stated: unlike the follower rule, the real cache need not converge on any one
 expert, so the argument of ``guarded.py`` does not carry over. ``tests/replay/test_vote.py``
-checks the eviction order and the default's margin against LRU on the adversarial traces.
+checks the eviction order, and the default's margin against LRU on the adversarial trace of
+short phases; ``bench/replay_sweep.py`` measures the rest.
 """
 
 from __future__ import annotations

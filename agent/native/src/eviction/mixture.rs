@@ -287,11 +287,17 @@ impl MixturePolicy {
 
     /// `MixturePolicy.eviction_order`: the buckets, emptied first to last.
     pub fn eviction_order(&mut self) -> Vec<u8> {
-        if self.vote.is_none() {
-            return vec![0, 1];
+        self.rank();
+        match &self.vote {
+            Some(vote) => vote.ranking.clone().expect("ranked"),
+            None => LACKS_FIRST.to_vec(),
         }
-        if let Some(ranking) = self.vote.as_ref().and_then(|v| v.ranking.clone()) {
-            return ranking;
+    }
+
+    /// Under a vote, rank the buckets for the scores as they are (once per request).
+    fn rank(&mut self) {
+        if self.vote.as_ref().is_none_or(|v| v.ranking.is_some()) {
+            return;
         }
         let weights = self.weights();
         let worth: Vec<f64> = (0..1usize << weights.len())
@@ -314,9 +320,8 @@ impl MixturePolicy {
                 .then(a.cmp(&b))
         });
         if let Some(vote) = self.vote.as_mut() {
-            vote.ranking = Some(ranking.clone());
+            vote.ranking = Some(ranking);
         }
-        ranking
     }
 
     /// A request for the blocks `keys` (`SharedPolicy.observe`); `scored` is false when a
@@ -405,9 +410,13 @@ impl MixturePolicy {
     pub fn pop<R: Records + ?Sized>(&mut self, level: usize, recs: &mut R) -> Option<Item> {
         self.flush(recs);
         self.levels[level].as_ref()?;
-        let order = self.eviction_order();
+        self.rank();
+        let order: &[u8] = match &self.vote {
+            Some(vote) => vote.ranking.as_deref().expect("ranked"),
+            None => &LACKS_FIRST,
+        };
         let queue = self.levels[level].as_mut()?;
-        for bucket in order {
+        for &bucket in order {
             let heap = &mut queue.heaps[bucket as usize];
             while let Some(entry) = heap_pop(heap) {
                 let Some(rec) = queue.entries.get(&entry.item) else {
@@ -485,6 +494,9 @@ impl MixturePolicy {
         parts
     }
 }
+
+/// `MixturePolicy.eviction_order` of the follower rule: what the leader lacks goes first.
+const LACKS_FIRST: [u8; 2] = [0, 1];
 
 /// `MixturePolicy.bucket` of `key` (`voting`: `VotePolicy.bucket`).
 #[inline]
