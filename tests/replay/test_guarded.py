@@ -11,7 +11,7 @@ import pytest
 from kvpool_agent.cache.eviction import POLICIES
 from kvpool_agent.cache.eviction.guarded import MARGIN, GuardedPolicy
 from kvpool_agent.config import KvCacheConfig
-from kvpool_agent.replay.runner import replay
+from kvpool_agent.replay.runner import ReplayResult, replay
 from kvpool_agent.replay.workloads import GENERATED_DIR, KINDS, WorkloadSpec, workload
 from kvpool_agent.traces import load_trace
 from kvpool_cli import main
@@ -83,17 +83,25 @@ ADVERSARIAL: list[tuple[str, dict[str, object]]] = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "changes"), ADVERSARIAL)
-@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.25])
-def test_the_default_is_never_below_lru_by_more_than_the_stated_margin(
-    kind: str, changes: dict[str, object], fraction: float, tmp_path: Path
-) -> None:
+def against_lru(
+    kind: str, changes: dict[str, object], fraction: float, policy: str, tmp_path: Path
+) -> tuple[ReplayResult, ReplayResult]:
+    """LRU's replay and ``policy``'s of a generated workload, at ``fraction`` of its unique
+    blocks (at least one request more than the longest)."""
     path = tmp_path / "t.jsonl"
     spec = WorkloadSpec(**changes)  # type: ignore[arg-type]
     path.write_text("\n".join(json.dumps(r) for r in workload(kind, spec)) + "\n")
     trace = load_trace(path)
     longest = max(len(r.hash_ids) for r in trace.requests)
     cap = max(trace.capacity_blocks(fraction), longest + 1)
-    lru = replay(trace, cap, "lru")
-    default = replay(trace, cap, KvCacheConfig().eviction_policy)
+    return replay(trace, cap, "lru"), replay(trace, cap, policy)
+
+
+@pytest.mark.parametrize(("kind", "changes"), ADVERSARIAL)
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.25])
+def test_the_default_is_never_below_lru_by_more_than_the_stated_margin(
+    kind: str, changes: dict[str, object], fraction: float, tmp_path: Path
+) -> None:
+    policy = KvCacheConfig().eviction_policy
+    lru, default = against_lru(kind, changes, fraction, policy, tmp_path)
     assert default.hit_blocks >= lru.hit_blocks - MARGIN * lru.query_blocks

@@ -1,10 +1,10 @@
 """The voting mixture (``vote.py``): a candidate default, run by ``bench/replay_sweep.py`` as
-the ``vote`` series and not a config name. These tests look at the Python policy; its compiled
-twin is held to the same victims in ``tests/native``."""
+the ``vote`` series and not a config name. The tests of its order look at the Python policy
+(its compiled twin is held to the same victims in ``tests/native``); the replay runs on both
+cores."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,11 +13,8 @@ from kvpool_agent import config as config_module
 from kvpool_agent.cache.eviction import POLICIES
 from kvpool_agent.cache.eviction.guarded import MARGIN
 from kvpool_agent.cache.eviction.vote import VotePolicy
-from kvpool_agent.replay.runner import replay
-from kvpool_agent.replay.workloads import WorkloadSpec, workload
-from kvpool_agent.traces import load_trace
 
-pytestmark = pytest.mark.python_core
+from .test_guarded import against_lru
 
 LRU_BIT = 1
 
@@ -26,6 +23,7 @@ def popcount(mask: int) -> int:
     return bin(mask).count("1")
 
 
+@pytest.mark.python_core
 def test_a_block_no_expert_holds_goes_first_and_one_all_hold_goes_last() -> None:
     policy = VotePolicy(8)
     policy.scores = [5.0, 9.0, 1.0, 3.0]
@@ -34,6 +32,7 @@ def test_a_block_no_expert_holds_goes_first_and_one_all_hold_goes_last() -> None
     assert order[0] == 0 and order[-1] == 0b1111
 
 
+@pytest.mark.python_core
 def test_equal_scores_rank_blocks_by_how_many_experts_hold_them() -> None:
     policy = VotePolicy(8)
     policy.scores = [10.0, 10.0, 10.0, 10.0]
@@ -41,6 +40,7 @@ def test_equal_scores_rank_blocks_by_how_many_experts_hold_them() -> None:
     assert counts == sorted(counts)
 
 
+@pytest.mark.python_core
 def test_an_expert_far_behind_has_almost_no_say() -> None:
     """With LRU far ahead, every block LRU lacks goes before any it holds."""
     policy = VotePolicy(8)
@@ -52,6 +52,7 @@ def test_an_expert_far_behind_has_almost_no_say() -> None:
     assert [m >> 1 & 1 for m in policy.eviction_order()] == [0] * 8 + [1] * 8
 
 
+@pytest.mark.python_core
 def test_a_bucket_names_the_experts_whose_shadow_holds_the_key() -> None:
     policy = VotePolicy(2)
     policy.observe([1, 2])
@@ -73,13 +74,6 @@ def test_the_vote_stays_within_the_default_s_margin_of_lru(
     monkeypatch.setattr(
         config_module, "EVICTION_POLICIES", (*config_module.EVICTION_POLICIES, "vote")
     )
-    path = tmp_path / "t.jsonl"
-    spec = WorkloadSpec(**changes)  # type: ignore[arg-type]
-    path.write_text("\n".join(json.dumps(r) for r in workload(kind, spec)) + "\n")
-    trace = load_trace(path)
-    longest = max(len(r.hash_ids) for r in trace.requests)
-    cap = max(trace.capacity_blocks(fraction), longest + 1)
-    lru = replay(trace, cap, "lru")
-    vote = replay(trace, cap, "vote")
+    lru, vote = against_lru(kind, changes, fraction, "vote", tmp_path)
     assert vote.hit_blocks >= lru.hit_blocks - MARGIN * lru.query_blocks
     assert vote.hit_blocks > 0
