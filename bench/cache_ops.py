@@ -19,7 +19,7 @@ Rounds are interleaved (every runner once per case per round, each the best of
 ``--repeat``), and a cell is the median over ``--rounds``: the machine is shared and noisy,
 so compare the ratios, not the absolute figures.
 
-    python bench/cache_ops.py [--sequences 1000] [--blocks 64] [--policies mixture,lru]
+    python bench/cache_ops.py [--sequences 1000] [--blocks 64] [--policies mixture,lru,guarded]
         [--cores native,python] [--rounds 5] [--repeat 3] [--out bench/results]
 """
 
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import baselines  # bench/baselines.py, beside this script
+import series  # bench/series.py
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -41,7 +42,7 @@ from rich.table import Table
 from kvpool_agent.cache import KVCacheManager
 from kvpool_agent.cache.gc_tuning import tune_gc
 from kvpool_agent.cache.native import native_available
-from kvpool_agent.config import EVICTION_POLICIES, KvCacheConfig, ModelGeometry
+from kvpool_agent.config import KvCacheConfig, ModelGeometry
 
 TPB = 16
 MODEL = ModelGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
@@ -140,7 +141,8 @@ def main() -> None:
     parser.add_argument(
         "--policies",
         default=f"{KvCacheConfig().eviction_policy},lru",
-        help=f"comma-separated engine policies (of {', '.join(EVICTION_POLICIES)})",
+        help="comma-separated engine policies: the config's, and the defaults before it "
+        f"({', '.join(series.EXTRA_SERIES)}, bench/series.py)",
     )
     parser.add_argument(
         "--cores",
@@ -150,9 +152,10 @@ def main() -> None:
     parser.add_argument("--stem", default="cache_ops", help="result file name stem")
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in EVICTION_POLICIES]
+    series.register()
+    unknown = [p for p in policies if p not in series.names()]
     if unknown or not policies:
-        parser.error(f"--policies: unknown {unknown}; allowed: {', '.join(EVICTION_POLICIES)}")
+        parser.error(f"--policies: unknown {unknown}; allowed: {', '.join(series.names())}")
     cores = [c for c in args.cores.split(",") if c]
     if not cores or any(c not in ("native", "python") for c in cores):
         parser.error("--cores: native and/or python")

@@ -10,7 +10,7 @@ into a full cache, with ``--churn`` MiB copied between stores (a numpy copy, whi
 much memory through the caches), and times the engine's open alone, per policy. Medians over
 the stores after the first third (the cache is full by then: every open evicts).
 
-    python bench/cold_open.py [--policies lru,mixture] [--churn 0 1 8 32] [--stores 9000]
+    python bench/cold_open.py [--policies lru,mixture,guarded] [--churn 0 1 8 32] [--stores 9000]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import series  # bench/series.py
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -98,7 +99,10 @@ def main() -> None:
     parser.add_argument("--stores", type=int, default=9000, help="per policy and churn")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    series.register()
     policies = [p for p in args.policies.split(",") if p]
+    if not policies or any(p not in series.names() for p in policies):
+        parser.error(f"--policies: of {', '.join(series.names())}")
     rows: list[dict[str, Any]] = []
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("stores", total=len(policies) * len(args.churn) * args.stores)

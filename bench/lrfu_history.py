@@ -1,14 +1,15 @@
-"""How long a history LRFU needs: the default's hit rates with LRFU remembering 2, 4 or 8
-times the capacity in keys, on every trace cell where that factor binds.
+"""How long a history LRFU needs: hit rates with LRFU remembering 2, 4 or 8 times the
+capacity in keys, on every trace cell where that factor binds.
 
 LRFU (an expert of the default ``mixture``) keeps the statistics of keys it no longer caches
 in a bounded history, ``max(history_floor, history_factor * capacity)`` keys: the largest
-table of the default policy. The factor was 8; it is 2 now. This replays the default
-(``GuardedPolicy``, on the Python core, whose experts can be swapped) with an LRFU of each
-factor on the cells of ``bench/replay_sweep.py``'s shared traces whose capacity makes
-``8 * capacity`` exceed the floor (below it every factor gives the floor, and the same
-figures), and prints each cell's block hit rate by factor. The shared traces are read from
-``../shared/traces`` (the script exits when they are absent).
+table of the default policy. The factor was 8; it is 2 now. This replays ``GuardedPolicy``
+(the default when it was measured, whose experts the vote keeps; on the Python core, whose
+experts can be swapped) with an LRFU of each factor on the cells of
+``bench/replay_sweep.py``'s shared traces whose capacity makes ``8 * capacity`` exceed the
+floor (below it every factor gives the floor, and the same figures), and prints each cell's
+block hit rate by factor. The shared traces are read from ``../shared/traces`` (the script
+exits when they are absent).
 
     python bench/lrfu_history.py [--factors 2,4,8] [--out bench/results]
 """
@@ -19,8 +20,9 @@ import argparse
 import json
 from pathlib import Path
 
+import series  # bench/series.py
 from plots import grouped_bars  # bench/plots.py
-from replay_sweep import FRACTIONS, TRACES, _register, trace_path  # bench/replay_sweep.py
+from replay_sweep import FRACTIONS, TRACES, trace_path  # bench/replay_sweep.py
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -43,7 +45,7 @@ def policy_with_factor(factor: int) -> str:
         GuardedPolicy.__init__(self, capacity, experts)
 
     name = f"mixture(lrfu history {factor}x)"
-    _register({name: type(name, (GuardedPolicy,), {"__init__": init})})
+    series.register({name: type(name, (GuardedPolicy,), {"__init__": init})})
     return name
 
 

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.native.twins import EXPERTS, Mini, chained_paths, eviction_queue, shadow  # noqa: E402
 
-POLICIES = ("lru", "reuse-gap", "mixture", "mixture-v1", "vote")
+POLICIES = ("lru", "reuse-gap", "mixture", "mixture-v1", "guarded")
 GSP = ROOT / "examples" / "traces" / "gsp_64g_bs16.jsonl"
 
 

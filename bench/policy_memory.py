@@ -21,7 +21,7 @@ each block's tokens its own) and "synthetic, engine keys" (the same requests, ea
 named by an engine key as the data plane names it: its tokens are the key's digest words,
 then 0s, ``kvpool_agent.dataplane.keys.block_tokens``).
 
-    python bench/policy_memory.py [--capacity 20000] [--cores native,python]
+    python bench/policy_memory.py [--capacity 20000] [--cores native,python] [--policies ...]
         [--out bench/results]
 """
 
@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import baselines  # bench/baselines.py, beside this script
+import series  # bench/series.py
 from plots import grouped_bars  # bench/plots.py
 from rich.console import Console
 from rich.progress import Progress
@@ -148,12 +149,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=20_000, help="blocks, distinct workload")
     parser.add_argument("--cores", default="native,python", help="native and/or python")
+    parser.add_argument(
+        "--policies",
+        default=",".join(EVICTION_POLICIES),
+        help="the config's, and the defaults before it "
+        f"({', '.join(series.EXTRA_SERIES)}, bench/series.py)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     cores = [c for c in args.cores.split(",") if c]
     if not cores or any(c not in ("native", "python") for c in cores):
         parser.error("--cores: native and/or python")
-    engines = [(c, p) for c in cores for p in EVICTION_POLICIES]
+    series.register()
+    policies = [p for p in args.policies.split(",") if p]
+    if "lru" not in policies or any(p not in series.names() for p in policies):
+        parser.error(f"--policies: lru (the reference) and any of {', '.join(series.names())}")
+    engines = [(c, p) for c in cores for p in policies]
     rows: list[Row] = []
     cases = [
         distinct(args.capacity),

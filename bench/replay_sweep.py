@@ -19,10 +19,10 @@ when ``../shared/traces`` is absent) and the generated ones committed in ``bench
 For a generated trace the "best known online" figure of a cell is the best online series
 measured in the same run (every registered policy and every ``--leave-one-out`` variant).
 
-``--leave-one-out`` also replays every variant of the default's constants and of the ``vote``
-candidate's (``VARIANTS``) and, for each trace in turn, chooses the variant whose worst cell
-on the *other* traces is best (hit rate over the best known, and over LRU), then reports that
-variant's cells on the trace left out, and the worst of them:
+``--leave-one-out`` also replays every variant (``VARIANTS``) of the default's constants
+(``vote``) and of the default's before it (``guarded``) and, for each trace in turn, chooses
+the variant whose worst cell on the *other* traces is best (hit rate over the best known, and
+over LRU), then reports that variant's cells on the trace left out, and the worst of them:
 
     python bench/replay_sweep.py --traces agentic,tenants,rag,shift,phases,scan,gsp_default \
         --policies lru,reuse-gap,mixture-v1 --leave-one-out
@@ -35,11 +35,11 @@ import json
 import time
 from pathlib import Path
 
+import series  # bench/series.py, beside this script
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvpool_agent import config as config_module
 from kvpool_agent.cache.eviction import POLICIES
 from kvpool_agent.cache.eviction.guarded import GuardedPolicy
 from kvpool_agent.cache.eviction.mixture import MixturePolicy
@@ -60,20 +60,17 @@ GENERATED_DIR = Path(__file__).resolve().parent / "traces"
 GENERATED = ("agentic", "tenants", "rag", "shift", "phases", "scan")
 VARIANTS: dict[str, tuple[type[MixturePolicy], dict[str, float]]] = {
     **{
-        f"mixture(h={h:g},y={y:g})": (GuardedPolicy, {"horizon": h, "hysteresis": y})
+        f"guarded(h={h:g},y={y:g})": (GuardedPolicy, {"horizon": h, "hysteresis": y})
         for h in (0.25, 1.0)
         for y in (0.0, 0.02, 0.05)
     },
     **{f"vote(eta={e:g})": (VotePolicy, {"eta": e}) for e in (2.0, 4.0, 8.0)},
 }
-"""What a leave-one-out round chooses among: the default's constants (horizon,
-hysteresis), and the candidate of ``vote.py`` with its weights' sharpness ``eta``."""
-DEFAULT_VARIANT = f"mixture(h={GuardedPolicy.horizon:g},y={GuardedPolicy.hysteresis:g})"
+"""What a leave-one-out round chooses among: the default's weights' sharpness ``eta``
+(``vote.py``), and the constants of the default before it (``guarded.py``: horizon,
+hysteresis)."""
+DEFAULT_VARIANT = f"vote(eta={VotePolicy.eta:g})"
 """The variant whose constants are the default's (its rows are the default's figures)."""
-EXTRA_SERIES: dict[str, type[MixturePolicy]] = {"mixture-v1": MixturePolicy, "vote": VotePolicy}
-"""Series a sweep may name beside the registry: ``mixture-v1`` is the default before
-``guarded.py`` (reuse-gap, LRFU, ARC; no LRU expert, no hysteresis); ``vote`` is the
-candidate of ``vote.py`` (the default's experts voting, no leader). Both have compiled twins."""
 FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 BEST_KNOWN = {  # shared/traces/README.md, second table (best of ~60 online configurations)
     "synthetic": (4.9, 17.2, 28.3, 46.9),
@@ -99,7 +96,7 @@ def main() -> None:
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     fractions = [float(f) for f in args.fractions.split(",")]
     policies = [p for p in args.policies.split(",") if p]
-    _register(EXTRA_SERIES)
+    series.register()  # guarded, mixture-v1 (bench/series.py)
     if args.leave_one_out:
         policies += _register_variants()
     if not args.report:
@@ -117,16 +114,11 @@ def trace_path(name: str) -> Path:
     return GENERATED_DIR / f"{name}.jsonl"
 
 
-def _register(extra: dict[str, type[MixturePolicy]]) -> None:
-    """Make ``extra`` engine policies for this process (not config names)."""
-    POLICIES.update(extra)
-    config_module.EVICTION_POLICIES = (*config_module.EVICTION_POLICIES, *extra)
-
-
 def _register_variants() -> list[str]:
     """Register each variant (``VARIANTS``) as an engine policy (they run on the Python core)."""
-    _register({name: type(name, (base,), attrs) for name, (base, attrs) in VARIANTS.items()})
-    return list(VARIANTS)
+    return series.register(
+        {name: type(name, (base,), attrs) for name, (base, attrs) in VARIANTS.items()}
+    )
 
 
 def _measure(traces: list[str], policies: list[str], fractions: list[float], out: Path) -> None:

@@ -110,10 +110,10 @@ class KvCacheConfig(_Model):
     eviction_policy: str = Field(
         "mixture",
         description="How blocks of equal priority are ordered for eviction: mixture (the "
-        "default: follows whichever of plain LRU, reuse-gap, LRFU and ARC has been hitting "
-        "most, LRU unless another leads by a margin; at most about 1% of requested blocks "
-        "below plain LRU), reuse-gap, or lru (the reference's plain LRU). Priorities and "
-        "retention durations always come first.",
+        "default: plain LRU, reuse-gap, LRFU and ARC vote, each weighed by how much it has "
+        "been hitting, and the blocks of least summed weight go first; within about 1% of "
+        "requested blocks of plain LRU on adversarial traces), reuse-gap, or lru (the "
+        "reference's plain LRU). Priorities and retention durations always come first.",
     )
 
     @field_validator("tokens_per_block")

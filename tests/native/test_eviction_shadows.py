@@ -71,7 +71,7 @@ def test_generated_streams_through_each_expert(
 @given(
     paths=streams(),
     capacity=st.integers(1, 16),
-    variant=st.sampled_from(["mixture", "mixture-v1", "vote"]),
+    variant=st.sampled_from(["mixture", "mixture-v1", "guarded"]),
     floor=st.sampled_from([None, 3]),
 )
 def test_generated_streams_through_a_mixture(

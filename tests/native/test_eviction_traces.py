@@ -98,7 +98,7 @@ def test_a_shadow_of_each_expert_replays_the_trace_exactly(
                 assert got is not None and got[0] == tick and bits([got[1]]) == bits([crf])
 
 
-@pytest.mark.parametrize("variant", ["mixture", "mixture-v1", "vote"])
+@pytest.mark.parametrize("variant", ["mixture", "mixture-v1", "guarded"])
 def test_a_mixture_scores_and_leads_exactly_as_in_python(trace: Trace, variant: str) -> None:
     paths = chained_paths(trace)
     for capacity in capacities(trace, paths):
@@ -117,7 +117,7 @@ def test_a_mixture_scores_and_leads_exactly_as_in_python(trace: Trace, variant: 
         assert all(twin.leader_holds(k) == py.leader_holds(k) for k in paths[-1])
 
 
-@pytest.mark.parametrize("policy", ["lru", "reuse-gap", "mixture", "mixture-v1", "vote"])
+@pytest.mark.parametrize("policy", ["lru", "reuse-gap", "mixture", "mixture-v1", "guarded"])
 def test_a_whole_queue_in_a_shadow_replays_as_the_miniature_does(trace: Trace, policy: str) -> None:
     """A registry policy in a shadow cache, as ``miniature._Mini`` runs it: on whole requests
     and on their sampled keys (the miniature's chains, one key in 4)."""

@@ -63,11 +63,11 @@ def mixture(
     experts: Sequence[str] | None = None,
     history_floor: int | None = None,
 ) -> MixturePolicy:
-    """``GuardedPolicy`` ("mixture"), the base ``MixturePolicy`` ("mixture-v1") or
-    ``VotePolicy`` ("vote")."""
+    """``VotePolicy`` ("mixture", the default), the base ``MixturePolicy`` ("mixture-v1") or
+    ``GuardedPolicy`` ("guarded")."""
     names = experts or (V1 if variant == "mixture-v1" else GUARDED)
     factories = [(n, expert_factory(n, history_floor)) for n in names]
-    cls = {"mixture": GuardedPolicy, "mixture-v1": MixturePolicy, "vote": VotePolicy}[variant]
+    cls = {"mixture": VotePolicy, "mixture-v1": MixturePolicy, "guarded": GuardedPolicy}[variant]
     return cls(capacity, factories)
 
 
@@ -78,7 +78,7 @@ def eviction_queue(
     history_floor: int | None = None,
 ) -> EvictionQueue:
     """``new_eviction_queue(policy, capacity)``, with the same options as the twin."""
-    if policy in ("mixture", "mixture-v1", "vote"):
+    if policy in ("mixture", "mixture-v1", "guarded"):
         shared = mixture(policy, capacity, experts, history_floor)
         return EvictionQueue(shared.new_level, shared)
     if policy == "lru":

@@ -1,26 +1,28 @@
-"""The voting mixture (``vote.py``): a candidate default, run by ``bench/replay_sweep.py`` as
-the ``vote`` series and not a config name. The tests of its order look at the Python policy
-(its compiled twin is held to the same victims in ``tests/native``); the replay runs on both
-cores."""
+"""The voting mixture (``vote.py``), the default ``mixture`` policy. The tests of its order
+look at the Python policy (its compiled twin is held to the same victims in
+``tests/native``); its bound against LRU is ``test_guarded.py``'s, on both cores."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from kvpool_agent import config as config_module
 from kvpool_agent.cache.eviction import POLICIES
-from kvpool_agent.cache.eviction.guarded import MARGIN
 from kvpool_agent.cache.eviction.vote import VotePolicy
-
-from .test_guarded import against_lru
+from kvpool_agent.config import KvCacheConfig
 
 LRU_BIT = 1
 
 
 def popcount(mask: int) -> int:
     return bin(mask).count("1")
+
+
+def test_the_default_is_the_vote_with_lru_first_and_no_leader() -> None:
+    assert KvCacheConfig().eviction_policy == "mixture"
+    assert POLICIES["mixture"] is VotePolicy
+    policy = VotePolicy(8)
+    assert policy.names[0] == "lru"
+    assert not policy.takes_lead(100.0, 0.0)
 
 
 @pytest.mark.python_core
@@ -59,21 +61,3 @@ def test_a_bucket_names_the_experts_whose_shadow_holds_the_key() -> None:
     assert policy.bucket(2) == 0b1111  # every shadow cached the request
     assert policy.bucket(3) == 0
     assert policy.leader == 0 and policy.switches == 0  # nobody takes a lead
-
-
-@pytest.mark.parametrize(("kind", "changes"), [("phases", {"phase": 40, "requests": 800})])
-@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.25])
-def test_the_vote_stays_within_the_default_s_margin_of_lru(
-    kind: str,
-    changes: dict[str, object],
-    fraction: float,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setitem(POLICIES, "vote", VotePolicy)
-    monkeypatch.setattr(
-        config_module, "EVICTION_POLICIES", (*config_module.EVICTION_POLICIES, "vote")
-    )
-    lru, vote = against_lru(kind, changes, fraction, "vote", tmp_path)
-    assert vote.hit_blocks >= lru.hit_blocks - MARGIN * lru.query_blocks
-    assert vote.hit_blocks > 0

@@ -1,5 +1,7 @@
-"""The "guarded" eviction policy (the default): the mixture, with plain LRU as an expert and a
-selector that leaves LRU only on clear evidence.
+"""The "guarded" eviction policy: the mixture, with plain LRU as an expert and a selector that
+leaves LRU only on clear evidence. It was the default until its experts' vote (``vote.py``,
+which keeps its experts, horizon and bound) replaced it; it stays as the ``guarded`` series
+of the benches (``bench/series.py``), and as the vote's base class.
 
 ``mixture`` (``mixture.py``) follows whichever of reuse-gap, LRFU and ARC hit most in its
 shadow caches. None of those is LRU, so on a workload where recency is simply right the

@@ -28,12 +28,14 @@ class LRFUQueue(HeapQueue):
     history_factor = 2
     """Keys remembered: this many times the capacity (at least ``history_floor``). It was 8:
     on every trace cell where the factor binds (capacities above 8,192 blocks: synthetic at
-    25%, mrqa at 10 and 25%, gsp_zipf at 5, 10 and 25%), 2, 4 and 8 gave the default the
-    same hit rate within 0.035 points (``bench/results/lrfu_history.json``). A quarter of the
-    memory of 8 where the factor binds, on the largest table of the default policy."""
+    25%, mrqa at 10 and 25%, gsp_zipf at 5, 10 and 25%), 2, 4 and 8 gave the default of
+    the day (``guarded``) the same hit rate within 0.035 points
+    (``bench/results/lrfu_history.json``). A quarter of the memory of 8 where the factor
+    binds, on the largest table of the default policy."""
     history_floor = 65_536
     """The fewest keys remembered, however small the cache (small caches lose most from
-    forgetting: a floor of 16,384 cost the default 0.27 points on synthetic at 10%)."""
+    forgetting: a floor of 16,384 cost ``guarded``, then the default, 0.27 points on
+    synthetic at 10%)."""
 
     __slots__ = ("_capacity", "_history")
 

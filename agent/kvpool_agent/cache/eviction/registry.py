@@ -8,20 +8,21 @@ accept) is made from it, so a policy added here is configurable everywhere.
 from __future__ import annotations
 
 from kvpool_agent.cache.eviction.base import Policy
-from kvpool_agent.cache.eviction.guarded import GuardedPolicy
 from kvpool_agent.cache.eviction.lru import LRUQueue
 from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
+from kvpool_agent.cache.eviction.vote import VotePolicy
 
 POLICIES: dict[str, Policy] = {
     "lru": LRUQueue,
     "reuse-gap": ReuseGapQueue,
-    "mixture": GuardedPolicy,
+    "mixture": VotePolicy,
 }
 """Policy name -> its level-queue factory, or its ``SharedPolicy`` class.
 
-``mixture`` (the default) is ``GuardedPolicy`` (``guarded.py``): the mixture of
-``mixture.py`` with plain LRU among its experts and a selector with hysteresis. The
-original ``MixturePolicy`` (reuse-gap, LRFU, ARC; no LRU, no hysteresis) is kept as the
-base class and as ``bench/replay_sweep.py``'s ``mixture-v1`` series, not as a config name;
-so is the candidate ``VotePolicy`` (``vote.py``), the ``vote`` series.
+``mixture`` (the default) is ``VotePolicy`` (``vote.py``): plain LRU, reuse-gap, LRFU and
+ARC in shadow caches, voting with weights that follow their hit scores. Its predecessors are
+kept as classes it builds on and as bench series (``bench/series.py``), not as config names:
+``GuardedPolicy`` (``guarded.py``, the default before it: the same experts, following one
+leader with hysteresis) as ``guarded``, and the original ``MixturePolicy`` (reuse-gap,
+LRFU, ARC; no LRU, no hysteresis) as ``mixture-v1``.
 """

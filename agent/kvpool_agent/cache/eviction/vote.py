@@ -1,12 +1,13 @@
-"""A candidate successor to the default: the guarded mixture's experts, voting instead of
-following one leader. Not a config name yet; ``bench/replay_sweep.py`` runs it as the
-``vote`` series, compiled (``agent/native/src/eviction/vote.rs``, the same victims bit for
-bit: ``tests/native``) or in Python.
+"""The default eviction policy (``mixture`` in the config): the guarded mixture's experts,
+voting instead of following one leader. Compiled in ``agent/native/src/eviction/vote.rs``
+(the same victims bit for bit: ``tests/native``).
 
-The default (``guarded.py``) evicts first what its one leading expert does not hold. Every
+The default before it (``guarded.py``, now the benches' ``guarded`` series,
+``bench/series.py``) evicts first what its one leading expert does not hold. Every
 change of leader then costs the real cache up to one capacity of misses while it converges
-on the new leader's contents, which is why it needs hysteresis, and why a switch that noise
-caused (``agentic`` at 5%) puts it below plain LRU.
+on the new leader's contents, which is why it needs hysteresis, why a switch that noise
+caused (``agentic`` at 5%) put it below plain LRU, and why at 25% of a trace's blocks, where
+LRU keeps the lead, it gained nothing over LRU.
 
 Here every expert keeps a say, in proportion to a weight that grows exponentially with its
 decayed hit score (the multiplicative-weights rule: ``exp(eta * (score - best) / (horizon *
@@ -18,10 +19,23 @@ of the weights moves only the blocks the experts disagree on, and only as far as
 weights say. LRU is the first expert, and ``prior`` can give its score a head start in the
 weights (none by default).
 
-No bound is stated: unlike the follower rule, the real cache need not converge on any one
-expert, so the argument of ``guarded.py`` does not carry over. ``tests/replay/test_vote.py``
-checks the eviction order, and the default's margin against LRU on the adversarial trace of
-short phases; ``bench/replay_sweep.py`` measures the rest.
+The bound we state, and test on the same adversarial generated traces as the default before
+it (``tests/replay/test_guarded.py``: phase changes, scans, one-shot floods, a shift, agentic
+sessions, at 1, 5 and 25%)::
+
+    hits(mixture) >= hits(lru) - MARGIN * requested blocks,   MARGIN = 0.01 (one point)
+
+Why, informally (an argument, not a proof): once LRU's score leads every other expert's by
+more than ``ln(n - 1) * horizon * capacity / eta`` (n experts; about a quarter of a capacity
+of disagreement here), LRU's weight exceeds all the others' together, so every block LRU
+holds outranks every block it lacks: the real cache then evicts as the follower of LRU
+(``mixture.py``) and converges on LRU's contents. Short of that lead, another expert hit
+about as often as LRU over the scoring window, and the vote keeps what the near-equals agree
+on. What the argument does not bound is a mix of near-equal experts hitting less than each of
+them; the adversarial traces are built to provoke it, and the margin is what they measure.
+On the development and generated traces (``bench/replay_sweep.py``) the worst cells are
+``agentic`` at 5 and 10% (0.13 and 0.07 points under LRU) and ``gsp_default`` at 1% (0.02);
+the default before it was 0.17 under LRU at ``agentic`` 5%.
 """
 
 from __future__ import annotations
@@ -41,7 +55,8 @@ class VotePolicy(GuardedPolicy):
     """How sharply the weights follow the scores (0: every expert weighs the same). Chosen
     by leave-one-out (the generated traces and ``gsp_default``) among 1, 2, 4, 8 and 16,
     with ``prior`` 0, 0.01, 0.02 and 0.05 and ``horizon`` 0.5, 1 and 2 (not every
-    combination): six of seven rounds chose (4, 0, horizon 1)."""
+    combination): six of seven rounds chose (4, 0, horizon 1), the seventh eta 8
+    (``bench/results/replay_sweep_loo.txt``)."""
     prior = 0.0
     """LRU's score counts ``1 + prior`` times in the weights: a head start for LRU."""
 

@@ -1,4 +1,5 @@
-//! Follows `guarded.py`: the default `mixture` policy, the mixture with plain LRU as its
+//! Follows `guarded.py`: the previous default (the `guarded` bench series; `vote.rs` keeps
+//! its experts and horizon), the mixture with plain LRU as its
 //! first expert (it leads at start and wins ties) and a selector with hysteresis (a
 //! challenger leads only once its score exceeds the leader's by the factor
 //! `1 + HYSTERESIS`).

@@ -40,7 +40,7 @@ fn tuning(history_floor: Option<usize>) -> Tuning {
     }
 }
 
-/// A mixture by variant name ("mixture": guarded, "mixture-v1": the original, "vote"), with the
+/// A mixture by variant name ("mixture": the vote, "guarded", "mixture-v1": the original), with the
 /// variant's experts unless `experts` names others.
 fn new_mixture(
     capacity: usize,
@@ -60,7 +60,12 @@ fn new_mixture(
     };
     let tuning = tuning(history_floor);
     match variant {
-        "mixture" => guarded_with(
+        "mixture" => vote_with(
+            capacity,
+            kinds.as_deref().unwrap_or(&GUARDED_EXPERTS),
+            tuning,
+        ),
+        "guarded" => guarded_with(
             capacity,
             kinds.as_deref().unwrap_or(&GUARDED_EXPERTS),
             tuning,
@@ -72,13 +77,8 @@ fn new_mixture(
             None,
             tuning,
         ),
-        "vote" => vote_with(
-            capacity,
-            kinds.as_deref().unwrap_or(&GUARDED_EXPERTS),
-            tuning,
-        ),
         _ => Err(format!(
-            "unknown mixture variant {variant:?}; one of mixture, mixture-v1, vote"
+            "unknown mixture variant {variant:?}; one of guarded, mixture, mixture-v1"
         )),
     }
     .map_err(value_error)

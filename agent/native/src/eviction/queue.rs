@@ -15,6 +15,7 @@ use super::mixture::{self, MixturePolicy};
 use super::registry::PolicyKind;
 use super::reuse_gap::{self, ReuseGapQueue};
 use super::shadow::{ShadowCache, ShadowNodes, ShadowOrder};
+use super::vote::vote_with;
 use super::{effective_priority, Item, Node, Records, DEFAULT_PRIORITY, MAX_PRIORITY};
 
 const LEVELS: usize = MAX_PRIORITY as usize + 1;
@@ -82,7 +83,12 @@ impl EvictionQueue {
                 vec![None; LEVELS],
                 tuning.history_floor.unwrap_or(reuse_gap::HISTORY_FLOOR),
             ),
-            PolicyKind::Mixture => Levels::Mixture(Box::new(guarded_with(
+            PolicyKind::Mixture => Levels::Mixture(Box::new(vote_with(
+                capacity,
+                &super::guarded::GUARDED_EXPERTS,
+                tuning,
+            )?)),
+            PolicyKind::Guarded => Levels::Mixture(Box::new(guarded_with(
                 capacity,
                 &super::guarded::GUARDED_EXPERTS,
                 tuning,
@@ -92,11 +98,6 @@ impl EvictionQueue {
                 &mixture::DEFAULT_EXPERTS,
                 mixture::HORIZON,
                 None,
-                tuning,
-            )?)),
-            PolicyKind::Vote => Levels::Mixture(Box::new(super::vote::vote_with(
-                capacity,
-                &super::guarded::GUARDED_EXPERTS,
                 tuning,
             )?)),
         };
@@ -408,7 +409,10 @@ mod tests {
         assert_eq!(queue.pop(0.0, &mut store), Some(items[2]));
         assert_eq!(queue.pop(0.0, &mut store), None);
         let err = EvictionQueue::new("fifo", 3).unwrap_err();
-        assert!(err.contains("lru, mixture, mixture-v1, reuse-gap"), "{err}");
+        assert!(
+            err.contains("guarded, lru, mixture, mixture-v1, reuse-gap"),
+            "{err}"
+        );
         assert!(EvictionQueue::new("mixture", 3).unwrap().watches_requests());
         assert!(!EvictionQueue::new("lru", 3).unwrap().watches_requests());
     }
@@ -430,9 +434,9 @@ mod tests {
     }
 
     #[test]
-    fn the_mixture_evicts_first_what_its_leader_lacks() {
+    fn the_guarded_mixture_evicts_first_what_its_leader_lacks() {
         let (mut store, items) = flat(3);
-        let mut queue = EvictionQueue::new("mixture", 2).unwrap();
+        let mut queue = EvictionQueue::new("guarded", 2).unwrap();
         queue.observe(&[1], true, &mut store);
         queue.observe(&[3], true, &mut store); // the leader (LRU) holds keys 1 and 3
         for &item in &items {

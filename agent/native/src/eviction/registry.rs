@@ -1,23 +1,23 @@
 //! Follows `registry.py`: every policy by the name the engine's config takes.
 //!
-//! `lru` and `reuse-gap` are level queues; `mixture` (the default) is the guarded mixture
-//! (`guarded.rs`); `mixture-v1` is the original mixture (`mixture.rs` with its own experts)
-//! and `vote` the candidate of `vote.rs`, which `bench/replay_sweep.py` registers beside the
-//! config names.
+//! `lru` and `reuse-gap` are level queues; `mixture` (the default) is the experts' vote
+//! (`vote.rs`). `guarded` (the previous default, `guarded.rs`) and `mixture-v1` (the original
+//! mixture: `mixture.rs` with its own experts) are bench series, which `bench/series.py`
+//! registers beside the config names.
 
 /// Names [`PolicyKind::parse`] accepts, sorted (as Python's error message lists them).
-pub const POLICY_NAMES: [&str; 5] = ["lru", "mixture", "mixture-v1", "reuse-gap", "vote"];
+pub const POLICY_NAMES: [&str; 5] = ["guarded", "lru", "mixture", "mixture-v1", "reuse-gap"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyKind {
     Lru,
     ReuseGap,
-    /// `GuardedPolicy`.
+    /// `VotePolicy`.
     Mixture,
+    /// `GuardedPolicy`.
+    Guarded,
     /// `MixturePolicy` with `DEFAULT_EXPERTS`.
     MixtureV1,
-    /// `VotePolicy`.
-    Vote,
 }
 
 impl PolicyKind {
@@ -26,8 +26,8 @@ impl PolicyKind {
             "lru" => Ok(PolicyKind::Lru),
             "reuse-gap" => Ok(PolicyKind::ReuseGap),
             "mixture" => Ok(PolicyKind::Mixture),
+            "guarded" => Ok(PolicyKind::Guarded),
             "mixture-v1" => Ok(PolicyKind::MixtureV1),
-            "vote" => Ok(PolicyKind::Vote),
             _ => Err(format!(
                 "unknown eviction policy {name:?}; one of {}",
                 POLICY_NAMES.join(", ")
@@ -40,8 +40,8 @@ impl PolicyKind {
             PolicyKind::Lru => "lru",
             PolicyKind::ReuseGap => "reuse-gap",
             PolicyKind::Mixture => "mixture",
+            PolicyKind::Guarded => "guarded",
             PolicyKind::MixtureV1 => "mixture-v1",
-            PolicyKind::Vote => "vote",
         }
     }
 
@@ -49,7 +49,7 @@ impl PolicyKind {
     pub fn is_shared(self) -> bool {
         matches!(
             self,
-            PolicyKind::Mixture | PolicyKind::MixtureV1 | PolicyKind::Vote
+            PolicyKind::Mixture | PolicyKind::Guarded | PolicyKind::MixtureV1
         )
     }
 }

@@ -1,5 +1,5 @@
-//! Follows `vote.py`: the guarded mixture's experts voting, no leader (a candidate successor
-//! to the default; the `vote` name is `bench/replay_sweep.py`'s, not a config name).
+//! Follows `vote.py`: the default `mixture` policy, the guarded mixture's experts voting
+//! with no leader.
 
 use super::expert::{ExpertKind, Tuning};
 use super::guarded::{GUARDED_EXPERTS, HORIZON};
