@@ -2,10 +2,10 @@
 eviction policy, fed the same requests.
 
 The mixture policies (``mixture.py``, ``guarded.py``, ``vote.py``) run a few of these beside
-the real cache and follow, or weigh, whichever has been hitting most. A shadow keeps only keys: no KV, no
-blocks, no priorities, no tiers. Like the real tree it is prefix-closed and evicts only
-leaves, so its hit count for a request is the length of the request's cached prefix, the
-figure the real cache would have had under that policy.
+the real cache and follow, or weigh, whichever has been hitting most. A shadow keeps only
+keys: no KV, no blocks, no priorities, no tiers. Like the real tree it is prefix-closed and
+evicts only leaves, so its hit count for a request is the length of the request's cached
+prefix, the figure the real cache would have had under that policy.
 """
 
 from __future__ import annotations
