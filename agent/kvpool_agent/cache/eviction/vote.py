@@ -7,7 +7,7 @@ The default before it (``guarded.py``, now the benches' ``guarded`` series,
 change of leader then costs the real cache up to one capacity of misses while it converges
 on the new leader's contents, which is why it needs hysteresis, why a switch that noise
 caused (``agentic`` at 5%) put it below plain LRU, and why at 25% of a trace's blocks, where
-LRU keeps the lead, it gained nothing over LRU.
+LRU often keeps the lead, it often gained nothing over LRU.
 
 Here every expert keeps a say, in proportion to a weight that grows exponentially with its
 decayed hit score (the multiplicative-weights rule: ``exp(eta * (score - best) / (horizon *
