@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.cache.eviction import POLICIES
+from kvpool_agent.cache.eviction import POLICIES, mixture
 from kvpool_agent.cache.eviction.vote import VotePolicy
 from kvpool_agent.config import KvCacheConfig
 
@@ -61,3 +61,16 @@ def test_a_bucket_names_the_experts_whose_shadow_holds_the_key() -> None:
     assert policy.bucket(2) == 0b1111  # every shadow cached the request
     assert policy.bucket(3) == 0
     assert policy.leader == 0 and policy.switches == 0  # nobody takes a lead
+
+
+@pytest.mark.python_core
+def test_the_changed_keys_stay_bounded_while_nothing_is_evicted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shadows churn while the real cache never evicts (nothing is queued here): the set
+    of changed keys is flushed at its bound instead of growing with every request."""
+    monkeypatch.setattr(mixture, "DIRTY_FLOOR", 64)
+    policy = VotePolicy(8)
+    for key in range(1000):
+        policy.observe([key])  # each key enters every shadow, an older one leaves
+    assert 8 < len(policy._dirty) <= 64 + 8

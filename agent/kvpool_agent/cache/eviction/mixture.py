@@ -46,6 +46,13 @@ from kvpool_agent.cache.eviction.lrfu import LRFUQueue
 from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
 from kvpool_agent.cache.eviction.shadow import ShadowCache
 
+DIRTY_FACTOR = 4
+DIRTY_FLOOR = 1 << 16
+"""The watched keys that changed are re-bucketed at the next eviction (``flush``), or once
+there are more than ``max(DIRTY_FACTOR * capacity, DIRTY_FLOOR)`` of them: a real cache that
+frees blocks without evicting (dropped sequences) while the shadows churn would otherwise let
+the set grow without bound. Replays never reach the bound, so it changes no victim there."""
+
 ExpertFactory = Callable[[int], LevelQueue]
 """Makes an expert's queue for a shadow of the given capacity."""
 
@@ -79,6 +86,7 @@ class MixturePolicy(SharedPolicy):
         self._next_leader = 0
         self._decay = 0.5 ** (1.0 / (self.horizon * size))
         self._dirty: set[int] = set()
+        self._dirty_limit = max(DIRTY_FACTOR * size, DIRTY_FLOOR)
         self._where: dict[int, tuple[MixQueue, Evictable]] = {}
         """Key of every queued block -> the level queue holding it, and the block."""
         for index, shadow in enumerate(self.shadows):
@@ -106,6 +114,8 @@ class MixturePolicy(SharedPolicy):
             for key, (queue, block) in list(self._where.items()):
                 queue.rebucket(block, key)
         hits = [shadow.step(keys) for shadow in self.shadows]
+        if len(self._dirty) > self._dirty_limit:
+            self.flush()  # the real cache has not evicted for long: keep the set bounded
         if not scored:
             return
         decay = self._decay ** (max(hits) - min(hits))

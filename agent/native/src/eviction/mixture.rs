@@ -159,6 +159,8 @@ pub struct MixturePolicy {
     next_leader: usize,
     decay: f64,
     dirty: PySet,
+    /// `MixturePolicy._dirty_limit`: past it, `observe` flushes.
+    dirty_limit: usize,
     /// Key of every queued block -> its level and the block.
     where_: RingMap<Plain<(u8, Item)>>,
     levels: Vec<Option<MixQueue>>,
@@ -202,6 +204,7 @@ impl MixturePolicy {
             next_leader: 0,
             decay: pow(0.5, 1.0 / (horizon * size as f64)),
             dirty: PySet::default(),
+            dirty_limit: (DIRTY_FACTOR * size).max(DIRTY_FLOOR),
             where_: RingMap::default(),
             levels: vec![None; MAX_PRIORITY as usize + 1],
             vote: None,
@@ -354,6 +357,9 @@ impl MixturePolicy {
                 shadow.step(keys)
             };
         }
+        if self.dirty.len() > self.dirty_limit {
+            self.flush(recs); // the real cache has not evicted for long: keep the set bounded
+        }
         if !scored {
             return;
         }
@@ -495,6 +501,10 @@ impl MixturePolicy {
     }
 }
 
+/// `DIRTY_FACTOR` and `DIRTY_FLOOR` of `mixture.py`: the dirty set's bound.
+const DIRTY_FACTOR: usize = 4;
+const DIRTY_FLOOR: usize = 1 << 16;
+
 /// `MixturePolicy.eviction_order` of the follower rule: what the leader lacks goes first.
 const LACKS_FIRST: [u8; 2] = [0, 1];
 
@@ -529,6 +539,18 @@ mod tests {
     use super::*;
     use crate::eviction::guarded::guarded_policy;
     use crate::eviction::shadow::ShadowNodes;
+
+    /// `test_the_changed_keys_stay_bounded_while_nothing_is_evicted`, compiled.
+    #[test]
+    fn the_changed_keys_stay_bounded_while_nothing_is_evicted() {
+        let mut m = crate::eviction::vote::vote_policy(8);
+        let mut recs = ShadowNodes::default();
+        for key in 0..(2 * DIRTY_FLOOR as i64) {
+            m.observe(&[key], true, &mut recs); // each key enters, an older one leaves
+        }
+        assert!(m.dirty.len() <= DIRTY_FLOOR + 8, "{}", m.dirty.len());
+        assert!(m.dirty.len() > 8); // keys do collect between evictions, up to the bound
+    }
 
     /// `test_only_requests_the_experts_disagree_on_age_the_scores`, compiled.
     #[test]
