@@ -151,11 +151,7 @@ def main() -> None:
     )
     parser.add_argument("--stem", default="cache_ops", help="result file name stem")
     args = parser.parse_args()
-    policies = [p for p in args.policies.split(",") if p]
-    series.register()
-    unknown = [p for p in policies if p not in series.names()]
-    if unknown or not policies:
-        parser.error(f"--policies: unknown {unknown}; allowed: {', '.join(series.names())}")
+    policies = series.policies(parser, args.policies)
     cores = [c for c in args.cores.split(",") if c]
     if not cores or any(c not in ("native", "python") for c in cores):
         parser.error("--cores: native and/or python")

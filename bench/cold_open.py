@@ -99,10 +99,7 @@ def main() -> None:
     parser.add_argument("--stores", type=int, default=9000, help="per policy and churn")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    series.register()
-    policies = [p for p in args.policies.split(",") if p]
-    if not policies or any(p not in series.names() for p in policies):
-        parser.error(f"--policies: of {', '.join(series.names())}")
+    policies = series.policies(parser, args.policies)
     rows: list[dict[str, Any]] = []
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("stores", total=len(policies) * len(args.churn) * args.stores)

@@ -160,10 +160,7 @@ def main() -> None:
     cores = [c for c in args.cores.split(",") if c]
     if not cores or any(c not in ("native", "python") for c in cores):
         parser.error("--cores: native and/or python")
-    series.register()
-    policies = [p for p in args.policies.split(",") if p]
-    if "lru" not in policies or any(p not in series.names() for p in policies):
-        parser.error(f"--policies: lru (the reference) and any of {', '.join(series.names())}")
+    policies = series.policies(parser, args.policies, required=["lru"])  # lru: the reference
     engines = [(c, p) for c in cores for p in policies]
     rows: list[Row] = []
     cases = [

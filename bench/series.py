@@ -8,6 +8,9 @@ before it side by side. They are never config names of the agent. Both have comp
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
+
 from kvpool_agent import config as config_module
 from kvpool_agent.cache.eviction import POLICIES
 from kvpool_agent.cache.eviction.guarded import GuardedPolicy
@@ -29,6 +32,19 @@ def register(extra: dict[str, type[MixturePolicy]] = EXTRA_SERIES) -> list[str]:
     return list(extra)
 
 
-def names() -> tuple[str, ...]:
-    """Every policy name this process accepts now (the config's and the registered)."""
-    return config_module.EVICTION_POLICIES
+def policies(
+    parser: argparse.ArgumentParser, text: str, *, required: Sequence[str] = ()
+) -> list[str]:
+    """A bench's ``--policies``: registers the series, then returns the comma-separated
+    names of ``text``; an unknown name, none at all, or a missing ``required`` one stops the
+    bench with the names allowed."""
+    register()
+    names = [name for name in text.split(",") if name]
+    allowed = config_module.EVICTION_POLICIES
+    unknown = [name for name in names if name not in allowed]
+    missing = [name for name in required if name not in names]
+    if unknown or missing or not names:
+        parser.error(
+            f"--policies: unknown {unknown}, missing {missing}; allowed: {', '.join(allowed)}"
+        )
+    return names
