@@ -61,8 +61,8 @@ class Script:
         ties: bool = False,
     ) -> None:
         self.ties = ties
-        """Every node at one of three ticks: the blocks' order within a tick is then their
-        queues' sequence numbers, which the mixture gives in its dirty set's order."""
+        """Every node at one of three ticks: the blocks' order within a tick is then the
+        order their queues took them in."""
         self.py = eviction_queue(policy, capacity, experts, history_floor)
         self.twin = kvpool_native.EvictionQueueTwin(
             policy, capacity, None if experts is None else list(experts), history_floor
@@ -279,18 +279,18 @@ def test_seeded_scripts_evict_the_same_blocks(policy: str) -> None:
 
 @pytest.mark.parametrize("policy", ["mixture", "mixture-v1", "guarded"])
 def test_seeded_scripts_with_recency_ties_evict_the_same_blocks(policy: str) -> None:
-    """Among them, changes of leader that move tied blocks: re-bucketed in the order of the
-    mixture's queued keys (a dict), and tied blocks that enter the leader's shadow together
-    (re-bucketed in its dirty set's order)."""
+    """Among them, changes of leader that move tied blocks, and tied blocks that enter the
+    leader's shadow together: each keeps its place among its tick's blocks."""
     for seed in range(30):
         for capacity in (4, 8, 12, 16):
             run(policy, 100 + seed, 1500, capacity, history_floor=None, ties=True)
 
 
 @pytest.mark.parametrize("variant", ["mixture", "mixture-v1", "guarded"])
-def test_blocks_tied_in_recency_follow_the_dirty_sets_order(variant: str) -> None:
-    """Eight queued blocks at one tick enter the leader's shadow in one request: they are
-    re-bucketed, and then evicted, in the order of the Python set of their keys."""
+def test_blocks_tied_in_recency_leave_in_the_order_they_were_queued(variant: str) -> None:
+    """Eight queued blocks at one tick enter the leader's shadow in one request: they change
+    bucket together (in no order that matters), and are evicted in the order they were
+    queued."""
     py, twin = eviction_queue(variant, 16), kvpool_native.EvictionQueueTwin(variant, 16)
     rng = random.Random(3)
     parent_py, parent = TreeNode(0, b"", None, 1), twin.add_node(0)
@@ -311,7 +311,7 @@ def test_blocks_tied_in_recency_follow_the_dirty_sets_order(variant: str) -> Non
     twin.observe(keys)
     victims = [py.pop(0.0).block_id for _ in keys]  # type: ignore[union-attr]
     assert [twin.pop(0.0) for _ in keys] == victims
-    assert victims != sorted(victims)  # the set's order, not the order they were queued in
+    assert victims == sorted(victims)  # the blocks' ids grow in the order they came
 
 
 @settings(max_examples=300, deadline=None)

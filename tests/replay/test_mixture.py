@@ -235,7 +235,7 @@ def test_the_real_cache_follows_the_leader_across_switches(
 
     def checked_pop(queue: MixQueue) -> object:
         leader_holds = queue._policy.leader_holds
-        lacking = {b for b, (key, _, _) in queue._entries.items() if not leader_holds(key)}
+        lacking = {b for b, (key, *_) in queue._entries.items() if not leader_holds(key)}
         victim = pop(queue)
         if lacking:
             assert victim in lacking

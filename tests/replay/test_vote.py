@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_agent.cache.eviction import POLICIES, mixture
+from kvpool_agent.cache.block import Block, TreeNode
+from kvpool_agent.cache.eviction import POLICIES
 from kvpool_agent.cache.eviction.vote import VotePolicy
 from kvpool_agent.config import KvCacheConfig
 
@@ -64,13 +65,20 @@ def test_a_bucket_names_the_experts_whose_shadow_holds_the_key() -> None:
 
 
 @pytest.mark.python_core
-def test_the_changed_keys_stay_bounded_while_nothing_is_evicted(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The shadows churn while the real cache never evicts (nothing is queued here): the set
-    of changed keys is flushed at its bound instead of growing with every request."""
-    monkeypatch.setattr(mixture, "DIRTY_FLOOR", 64)
+def test_only_queued_keys_are_kept_as_changed() -> None:
+    """The shadows churn while nothing is queued in the real cache: no key is kept to
+    re-bucket, so the set cannot grow with the requests; a queued key that changes is kept
+    until its block leaves the queue."""
     policy = VotePolicy(8)
     for key in range(1000):
         policy.observe([key])  # each key enters every shadow, an older one leaves
-    assert 8 < len(policy._dirty) <= 64 + 8
+    assert not policy._dirty
+    queue = policy.new_level()
+    node = TreeNode(5000, b"", None, 1)
+    block = Block(0, 0, 1)
+    block.node = node
+    queue.push(block)
+    policy.observe([5000])
+    assert policy._dirty == {5000}
+    queue.discard(block)
+    assert not policy._dirty

@@ -46,13 +46,6 @@ from kvpool_agent.cache.eviction.lrfu import LRFUQueue
 from kvpool_agent.cache.eviction.reuse_gap import ReuseGapQueue
 from kvpool_agent.cache.eviction.shadow import ShadowCache
 
-DIRTY_FACTOR = 4
-DIRTY_FLOOR = 1 << 16
-"""The watched keys that changed are re-bucketed at the next eviction (``flush``), or once
-there are more than ``max(DIRTY_FACTOR * capacity, DIRTY_FLOOR)`` of them: a real cache that
-frees blocks without evicting (dropped sequences) while the shadows churn would otherwise let
-the set grow without bound. Replays never reach the bound, so it changes no victim there."""
-
 ExpertFactory = Callable[[int], LevelQueue]
 """Makes an expert's queue for a shadow of the given capacity."""
 
@@ -86,17 +79,21 @@ class MixturePolicy(SharedPolicy):
         self._next_leader = 0
         self._decay = 0.5 ** (1.0 / (self.horizon * size))
         self._dirty: set[int] = set()
-        self._dirty_limit = max(DIRTY_FACTOR * size, DIRTY_FLOOR)
+        """Queued keys whose bucket may have changed since the last ``flush`` (a key leaves
+        it with ``_where``, so it never outgrows the queues). A key not queued yet needs no
+        entry: it is bucketed as the shadows are when it is queued."""
         self._where: dict[int, tuple[MixQueue, Evictable]] = {}
         """Key of every queued block -> the level queue holding it, and the block."""
         for index, shadow in enumerate(self.shadows):
             shadow.on_change = self._watcher(index)
 
-    def _watcher(self, index: int) -> Callable[[int], None]:
-        dirty = self._dirty
+    def _watcher(self, index: int | None) -> Callable[[int], None]:
+        """What a shadow calls when a key enters or leaves it: ``index`` names the shadow
+        that matters (the leader's), None every shadow."""
+        dirty, where = self._dirty, self._where
 
         def changed(key: int) -> None:
-            if self.leader == index:
+            if (index is None or self.leader == index) and key in where:
                 dirty.add(key)
 
         return changed
@@ -114,8 +111,6 @@ class MixturePolicy(SharedPolicy):
             for key, (queue, block) in list(self._where.items()):
                 queue.rebucket(block, key)
         hits = [shadow.step(keys) for shadow in self.shadows]
-        if len(self._dirty) > self._dirty_limit:
-            self.flush()  # the real cache has not evicted for long: keep the set bounded
         if not scored:
             return
         decay = self._decay ** (max(hits) - min(hits))
@@ -151,6 +146,7 @@ class MixturePolicy(SharedPolicy):
         found = self._where.get(key)
         if found is not None and found[1] is block:
             del self._where[key]
+            self._dirty.discard(key)
 
     def flush(self) -> None:
         """Re-bucket the queued blocks whose key entered or left the leader's cache (a
@@ -168,38 +164,42 @@ class MixQueue(LevelQueue):
     (``bucket``), emptied in the policy's order (``eviction_order``). For the mixture: those
     the leader lacks, evicted first, and those it holds."""
 
-    __slots__ = ("_entries", "_heaps", "_order", "_policy")
+    __slots__ = ("_count", "_entries", "_heaps", "_policy")
 
     def __init__(self, policy: MixturePolicy) -> None:
         self._policy = policy
-        self._heaps: dict[int, list[tuple[int, int, Evictable]]] = {}
-        """Bucket -> entries ``(last_used, sequence, block)``. A block moves between
-        buckets without a new ``queue_stamp``, so an entry is current while its sequence
-        number is the one ``_entries`` records for the block."""
-        self._entries: dict[Evictable, tuple[int, int, int]] = {}
-        """Queued block -> (its key, the sequence number of its current entry, its bucket)."""
-        self._order = itertools.count()
+        self._heaps: dict[int, list[tuple[int, int, int, Evictable]]] = {}
+        """Bucket -> entries ``(last_used, order, sequence, block)``: ``order`` is when the
+        block was queued, so blocks of one tick leave in the order they came, whatever
+        order they changed bucket in. A block moves between buckets without a new
+        ``queue_stamp``, so an entry is current while its sequence number is the one
+        ``_entries`` records for the block."""
+        self._entries: dict[Evictable, tuple[int, int, int, int]] = {}
+        """Queued block -> (its key, its order, the sequence number of its current entry,
+        its bucket)."""
+        self._count = itertools.count()
+        """Numbers both the blocks queued (their order) and the entries made."""
 
     def push(self, block: Evictable) -> None:
         key: int = tree_node(block).key
-        self._place(block, key, self._policy.bucket(key))
+        order = next(self._count)  # its first entry's sequence number too
+        self._place(block, key, self._policy.bucket(key), order, order)
         self._policy.track(key, self, block)
 
-    def _place(self, block: Evictable, key: int, bucket: int) -> None:
-        seq = next(self._order)
+    def _place(self, block: Evictable, key: int, bucket: int, order: int, seq: int) -> None:
         heap = self._heaps.get(bucket)
         if heap is None:
             heap = self._heaps[bucket] = []
-        heapq.heappush(heap, (block.last_used, seq, block))
-        self._entries[block] = (key, seq, bucket)
+        heapq.heappush(heap, (block.last_used, order, seq, block))
+        self._entries[block] = (key, order, seq, bucket)
 
     def rebucket(self, block: Evictable, key: int) -> None:
-        """Move ``block`` to the bucket the policy now says."""
+        """Move ``block`` to the bucket the policy now says, in its place among its tick's."""
         entry = self._entries.get(block)
         if entry is not None:
             bucket = self._policy.bucket(key)
-            if bucket != entry[2]:
-                self._place(block, key, bucket)
+            if bucket != entry[3]:
+                self._place(block, key, bucket, entry[1], next(self._count))
                 self._compact()
 
     def discard(self, block: Evictable) -> None:
@@ -215,9 +215,9 @@ class MixQueue(LevelQueue):
         for bucket in self._policy.eviction_order():
             heap = heaps.get(bucket)
             while heap:
-                _, seq, block = heapq.heappop(heap)
+                _, _, seq, block = heapq.heappop(heap)
                 entry = entries.get(block)
-                if entry is not None and entry[1] == seq:
+                if entry is not None and entry[2] == seq:
                     del entries[block]
                     self._policy.untrack(entry[0], block)
                     return block
@@ -230,9 +230,9 @@ class MixQueue(LevelQueue):
         entries = self._entries
         live = len(entries)
         for heap in self._heaps.values():
-            compact(heap, live, lambda e: (entries.get(e[2]) or _GONE)[1] == e[1])
+            compact(heap, live, lambda e: (entries.get(e[3]) or _GONE)[2] == e[2])
 
 
-_GONE = (0, -1, 0)
+_GONE = (0, 0, -1, 0)
 """Stands in for the record of a block no longer queued (no sequence number is -1)."""
 _LACKS_FIRST = (0, 1)

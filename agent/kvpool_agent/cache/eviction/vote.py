@@ -64,8 +64,9 @@ class VotePolicy(GuardedPolicy):
         self, capacity: int, experts: Sequence[tuple[str, ExpertFactory]] = GUARDED_EXPERTS
     ) -> None:
         super().__init__(capacity, experts)
-        for shadow in self.shadows:  # every expert's cache matters, not only a leader's
-            shadow.on_change = self._dirty.add
+        watch_all = self._watcher(None)  # every expert's cache matters, not a leader's
+        for shadow in self.shadows:
+            shadow.on_change = watch_all
         self._ranking: list[int] | None = None
 
     def observe(self, keys: Sequence[int], *, scored: bool = True) -> None:

@@ -136,7 +136,16 @@ pub fn make_room<T>(table: &mut HashTable<T>, room: &mut usize, rehash: impl Fn(
 
 /// Heap bytes of a hash map: its buckets (key, value and one control byte each).
 pub fn map_bytes<K, V, S>(map: &std::collections::HashMap<K, V, S>) -> usize {
-    let cap = map.capacity();
+    table_bytes(map.capacity(), std::mem::size_of::<(K, V)>())
+}
+
+/// [`map_bytes`] of a set.
+pub fn set_bytes<K, S>(set: &std::collections::HashSet<K, S>) -> usize {
+    table_bytes(set.capacity(), std::mem::size_of::<K>())
+}
+
+/// Bytes of a hashbrown table with room for `cap` entries of `entry` bytes each.
+fn table_bytes(cap: usize, entry: usize) -> usize {
     if cap == 0 {
         return 0;
     }
@@ -146,7 +155,7 @@ pub fn map_bytes<K, V, S>(map: &std::collections::HashMap<K, V, S>) -> usize {
     } else {
         (cap * 8 / 7).next_power_of_two()
     };
-    buckets * (std::mem::size_of::<(K, V)>() + 1) + 16
+    buckets * (entry + 1) + 16
 }
 
 #[cfg(test)]

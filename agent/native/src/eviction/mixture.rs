@@ -11,16 +11,16 @@
 //!
 //! In Python each `MixQueue` refers back to its policy, and the policy re-buckets blocks of
 //! every level; here the policy owns its level queues (`levels`), and `queue.rs` asks it
-//! per level. The set of keys whose membership in the leader changed (`dirty`) iterates in
-//! CPython's set order and the queued keys (`where_`) in dict order, as the originals do.
+//! per level. A block keeps its place among blocks of its tick (the order it was queued in)
+//! when it changes bucket, so the order in which the changed keys (`dirty`) and the queued
+//! keys (`where_`) are re-bucketed decides nothing.
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::expert::{Expert, ExpertKind, Tuning};
 use super::float::{exp, pow, py_max};
 use super::heap::{compact, heap_pop, heap_push, Entry};
-use super::keyed::map_bytes;
-use super::pyset::PySet;
+use super::keyed::{map_bytes, set_bytes};
 use super::ring::{Plain, RingMap};
 use super::shadow::ShadowCache;
 use super::{Item, Records, MAX_PRIORITY};
@@ -31,38 +31,43 @@ pub const DEFAULT_EXPERTS: [ExpertKind; 3] =
 /// `MixturePolicy.horizon`: half-life of a score, in capacities of disagreement.
 pub const HORIZON: f64 = 0.25;
 
-/// `(last_used, sequence, block)`.
+/// `(last_used, order, sequence, block)`: `order` is when the block was queued, `seq`
+/// (32 bits, compared for equality only, see `heap.rs`) names its current entry.
 #[derive(Debug, Clone, Copy)]
 struct MixEntry {
     last_used: u64,
-    seq: u64,
+    order: u64,
+    seq: u32,
     item: Item,
 }
 
 impl Entry for MixEntry {
     #[inline]
     fn less(&self, other: &Self) -> bool {
-        (self.last_used, self.seq) < (other.last_used, other.seq)
+        (self.last_used, self.order, self.seq) < (other.last_used, other.order, other.seq)
     }
 }
 
-/// A queued block's key, the sequence number of its current entry, and its bucket.
+/// A queued block's key, when it was queued, the sequence number of its current entry, and
+/// its bucket.
 #[derive(Debug, Clone, Copy)]
 struct MixRec {
     key: i64,
-    seq: u64,
+    order: u64,
+    seq: u32,
     heap: u8,
 }
 
 /// One priority level's blocks in LRU heaps, one per bucket: for the follower rule those the
 /// leader lacks (0, evicted first) and those it holds (1); for a vote, one per holder mask.
 /// A block moves between them without a new `queue_stamp`, so an entry is current while its
-/// sequence number is the one `entries` records for the block.
+/// sequence number is the one `entries` records for the block; it keeps its `order`.
 #[derive(Debug, Clone)]
 pub struct MixQueue {
     heaps: Vec<Vec<MixEntry>>,
     entries: FxHashMap<Item, MixRec>,
-    order: u64,
+    /// Numbers both the blocks queued (`order`) and the entries made (`seq`).
+    count: u64,
 }
 
 impl MixQueue {
@@ -70,29 +75,45 @@ impl MixQueue {
         MixQueue {
             heaps: vec![Vec::new(); buckets],
             entries: FxHashMap::default(),
-            order: 0,
+            count: 0,
         }
     }
 
-    fn place<R: Records + ?Sized>(&mut self, item: Item, key: i64, heap: u8, recs: &R) {
-        let seq = self.order;
-        self.order += 1;
+    /// Queue `item` (stored under `key`) in `heap`.
+    fn push<R: Records + ?Sized>(&mut self, item: Item, key: i64, heap: u8, recs: &R) {
+        let order = self.count; // its first entry's sequence number too
+        self.place(item, key, heap, order, recs);
+    }
+
+    fn place<R: Records + ?Sized>(&mut self, item: Item, key: i64, heap: u8, order: u64, recs: &R) {
+        let seq = self.count as u32;
+        self.count += 1;
         heap_push(
             &mut self.heaps[heap as usize],
             MixEntry {
                 last_used: recs.last_used(item),
+                order,
                 seq,
                 item,
             },
         );
-        self.entries.insert(item, MixRec { key, seq, heap });
+        self.entries.insert(
+            item,
+            MixRec {
+                key,
+                order,
+                seq,
+                heap,
+            },
+        );
     }
 
-    /// Move `item` to the bucket the policy now says.
+    /// Move `item` to the bucket the policy now says, in its place among its tick's blocks.
     fn rebucket<R: Records + ?Sized>(&mut self, item: Item, key: i64, heap: u8, recs: &R) {
         if let Some(rec) = self.entries.get(&item) {
             if rec.heap != heap {
-                self.place(item, key, heap, recs);
+                let order = rec.order;
+                self.place(item, key, heap, order, recs);
                 self.compact();
             }
         }
@@ -158,9 +179,9 @@ pub struct MixturePolicy {
     switches: u64,
     next_leader: usize,
     decay: f64,
-    dirty: PySet,
-    /// `MixturePolicy._dirty_limit`: past it, `observe` flushes.
-    dirty_limit: usize,
+    /// Queued keys whose bucket may have changed since the last `flush` (a subset of the
+    /// keys of `where_`: a key leaves both together).
+    dirty: FxHashSet<i64>,
     /// Key of every queued block -> its level and the block.
     where_: RingMap<Plain<(u8, Item)>>,
     levels: Vec<Option<MixQueue>>,
@@ -203,8 +224,7 @@ impl MixturePolicy {
             switches: 0,
             next_leader: 0,
             decay: pow(0.5, 1.0 / (horizon * size as f64)),
-            dirty: PySet::default(),
-            dirty_limit: (DIRTY_FACTOR * size).max(DIRTY_FLOOR),
+            dirty: FxHashSet::default(),
             where_: RingMap::default(),
             levels: vec![None; MAX_PRIORITY as usize + 1],
             vote: None,
@@ -349,16 +369,17 @@ impl MixturePolicy {
         }
         let leader = self.leader;
         let every = self.vote.is_some(); // a vote watches every expert's cache
-        let dirty = &mut self.dirty;
+        let (dirty, where_) = (&mut self.dirty, &self.where_);
         for (index, shadow) in self.shadows.iter_mut().enumerate() {
             self.hits[index] = if every || index == leader {
-                shadow.step_with(keys, |key| dirty.add(key))
+                shadow.step_with(keys, |key| {
+                    if where_.contains_key(key) {
+                        dirty.insert(key); // a key queued later is bucketed as it is then
+                    }
+                })
             } else {
                 shadow.step(keys)
             };
-        }
-        if self.dirty.len() > self.dirty_limit {
-            self.flush(recs); // the real cache has not evicted for long: keep the set bounded
         }
         if !scored {
             return;
@@ -396,7 +417,7 @@ impl MixturePolicy {
         let buckets = self.buckets();
         self.levels[level]
             .get_or_insert_with(|| MixQueue::new(buckets))
-            .place(item, key, bucket, recs);
+            .push(item, key, bucket, recs);
         self.where_.insert(key, (level as u8, item));
     }
 
@@ -406,7 +427,7 @@ impl MixturePolicy {
             .as_mut()
             .expect("a queued block's level has a queue");
         if let Some(rec) = queue.entries.remove(&item) {
-            untrack(&mut self.where_, rec.key, item);
+            untrack(&mut self.where_, &mut self.dirty, rec.key, item);
         }
         queue.compact();
     }
@@ -431,7 +452,7 @@ impl MixturePolicy {
                 if rec.seq == entry.seq {
                     let key = rec.key;
                     queue.entries.remove(&entry.item);
-                    untrack(&mut self.where_, key, entry.item);
+                    untrack(&mut self.where_, &mut self.dirty, key, entry.item);
                     return Some(entry.item);
                 }
             }
@@ -451,7 +472,7 @@ impl MixturePolicy {
             return;
         }
         let voting = self.vote.is_some();
-        for key in self.dirty.iter() {
+        for &key in self.dirty.iter() {
             if let Some((level, item)) = self.where_.get(key) {
                 let bucket = bucket_of(&self.shadows, self.leader, voting, key);
                 if let Some(queue) = self.levels[level as usize].as_mut() {
@@ -459,7 +480,11 @@ impl MixturePolicy {
                 }
             }
         }
-        self.dirty.clear();
+        if self.dirty.capacity() > KEPT_DIRTY {
+            self.dirty = FxHashSet::default(); // a burst of changes does not keep its table
+        } else {
+            self.dirty.clear();
+        }
     }
 
     /// Heap bytes owned: the shadows, their orders, and the level queues.
@@ -487,7 +512,7 @@ impl MixturePolicy {
                 + self.kinds.capacity() * size_of::<ExpertKind>()
                 + self.levels.capacity() * size_of::<Option<MixQueue>>(),
         ));
-        parts.push(("mixture.dirty".into(), self.dirty.memory_bytes()));
+        parts.push(("mixture.dirty".into(), set_bytes(&self.dirty)));
         parts.push(("mixture.where".into(), self.where_.memory_bytes()));
         parts.push((
             "mixture.levels".into(),
@@ -501,9 +526,8 @@ impl MixturePolicy {
     }
 }
 
-/// `DIRTY_FACTOR` and `DIRTY_FLOOR` of `mixture.py`: the dirty set's bound.
-const DIRTY_FACTOR: usize = 4;
-const DIRTY_FLOOR: usize = 1 << 16;
+/// Changed keys whose table a flush keeps for the next ones.
+const KEPT_DIRTY: usize = 1024;
 
 /// `MixturePolicy.eviction_order` of the follower rule: what the leader lacks goes first.
 const LACKS_FIRST: [u8; 2] = [0, 1];
@@ -526,10 +550,16 @@ fn bucket_of(shadows: &[ShadowCache<Expert>], leader: usize, voting: bool, key: 
 /// `MixturePolicy.untrack`: `item` left its queue (a newer block under the same key may
 /// have replaced it in `where_`).
 #[inline]
-fn untrack(where_: &mut RingMap<Plain<(u8, Item)>>, key: i64, item: Item) {
+fn untrack(
+    where_: &mut RingMap<Plain<(u8, Item)>>,
+    dirty: &mut FxHashSet<i64>,
+    key: i64,
+    item: Item,
+) {
     if let Some((_, found)) = where_.get(key) {
         if found == item {
             where_.remove(key);
+            dirty.remove(&key);
         }
     }
 }
@@ -540,16 +570,15 @@ mod tests {
     use crate::eviction::guarded::guarded_policy;
     use crate::eviction::shadow::ShadowNodes;
 
-    /// `test_the_changed_keys_stay_bounded_while_nothing_is_evicted`, compiled.
+    /// `test_only_queued_keys_are_kept_as_changed`, compiled.
     #[test]
-    fn the_changed_keys_stay_bounded_while_nothing_is_evicted() {
+    fn only_queued_keys_are_kept_as_changed() {
         let mut m = crate::eviction::vote::vote_policy(8);
         let mut recs = ShadowNodes::default();
-        for key in 0..(2 * DIRTY_FLOOR as i64) {
+        for key in 0..1000 {
             m.observe(&[key], true, &mut recs); // each key enters, an older one leaves
         }
-        assert!(m.dirty.len() <= DIRTY_FLOOR + 8, "{}", m.dirty.len());
-        assert!(m.dirty.len() > 8); // keys do collect between evictions, up to the bound
+        assert!(m.dirty.is_empty()); // nothing is queued: nothing to re-bucket
     }
 
     /// `test_only_requests_the_experts_disagree_on_age_the_scores`, compiled.

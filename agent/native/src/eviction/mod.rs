@@ -45,7 +45,6 @@ mod membench;
 pub mod mixture;
 #[cfg(test)]
 mod ordered;
-pub mod pyset;
 pub mod queue;
 pub mod registry;
 pub mod reuse_gap;

@@ -9,8 +9,8 @@
 //!   miniature's `_Mini` runs a registry policy.
 //! - `EvictionQueueTwin(policy, capacity)`: an `EvictionQueue` over a record store driven
 //!   from Python (nodes and blocks created, changed and dropped by hand).
-//! - `pyset_order`, `py_pow`, `py_log2`: the building blocks that must match CPython bit for
-//!   bit; `bench_*`: timings of the compiled code alone on a stream.
+//! - `py_pow`, `py_log2`: the building blocks that must match CPython bit for bit;
+//!   `bench_*`: timings of the compiled code alone on a stream.
 
 use std::time::Instant;
 
@@ -22,7 +22,6 @@ use super::expert::{Expert, ExpertKind, Tuning};
 use super::float;
 use super::guarded::{guarded_with, GUARDED_EXPERTS};
 use super::mixture::{self, MixturePolicy};
-use super::pyset::PySet;
 use super::queue::{EvictionQueue, MiniCache};
 use super::shadow::{ShadowCache, ShadowNodes};
 use super::toy::ToyStore;
@@ -543,19 +542,6 @@ impl EvictionQueueTwin {
     }
 }
 
-/// `list(s)` of a set built by `ops`: a key is `s.add(key)`, None is `s.clear()`.
-#[pyfunction]
-fn pyset_order(ops: Vec<Option<i64>>) -> Vec<i64> {
-    let mut set = PySet::default();
-    for op in ops {
-        match op {
-            Some(key) => set.add(key),
-            None => set.clear(),
-        }
-    }
-    set.iter().collect()
-}
-
 /// `base ** exp` as the policies compute it.
 #[pyfunction]
 fn py_pow(base: f64, exp: f64) -> f64 {
@@ -663,7 +649,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MixtureTwin>()?;
     m.add_class::<MiniTwin>()?;
     m.add_class::<EvictionQueueTwin>()?;
-    m.add_function(wrap_pyfunction!(pyset_order, m)?)?;
     m.add_function(wrap_pyfunction!(py_pow, m)?)?;
     m.add_function(wrap_pyfunction!(py_log2, m)?)?;
     m.add_function(wrap_pyfunction!(bench_shadow, m)?)?;
